@@ -1,0 +1,29 @@
+# One venv for everything; torch is pinned to the CPU build present on these
+# machines (an unpinned torch pulls a multi-GB CUDA build).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PINS := torch==2.13.0 ray[serve]==2.60.0 transformers==5.24.0 peft==0.21.2 \
+        safetensors==0.8.0 huggingface_hub==2.4.0 tokenizers==0.23.3 pytest==9.2.0
+
+.PHONY: venv test serve bench clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet $(PINS)
+	$(PY) -m pip install --quiet --no-deps -e .
+	touch $@
+
+test: venv
+	$(PY) -m pytest -q tests
+
+serve: venv
+	$(PY) -m deployments.cli serve --demo
+
+bench: venv
+	$(PY) -m benchmarks.run_all
+
+clean:
+	rm -rf $(VENV) .cache
