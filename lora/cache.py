@@ -1,0 +1,251 @@
+"""Host-memory LRU cache of loaded adapters, and the registry of adapter names.
+
+The engine's step loop calls `ensure` / `acquire` / `release`; loads run in a
+background executor and insert on completion, so one lock guards all state and
+`load_fn` always runs outside it. Reference counts keep an adapter used by a
+running request resident: it is never evicted, and an `unregister` only takes
+effect for it at the last `release`.
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import threading
+import time
+from typing import Callable
+
+from lora.adapter import LoRAAdapter
+from lora.errors import AdapterError, AdapterNotFoundError
+
+RECENT_LOADS = 64  # latencies kept for stats(); enough for a histogram per scrape
+
+
+class HostAdapterCache:
+    """LRU of `LoRAAdapter`s, at most `capacity` resident (see `_evict`).
+
+    `load_fn(name, source)` loads and validates one adapter (the engine passes
+    a closure over `lora.adapter.load_adapter`); it may pin host memory.
+    """
+
+    def __init__(self, capacity: int, load_fn: Callable[[str, str], LoRAAdapter],
+                 executor: concurrent.futures.Executor | None = None):
+        assert capacity >= 1, capacity
+        self.capacity = capacity
+        self._load_fn = load_fn
+        self._owns_executor = executor is None
+        self._executor = executor or concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="lora-load")
+        self._lock = threading.Lock()
+        self._sources: dict[str, str] = {}
+        self._pinned: set[str] = set()
+        self._resident: collections.OrderedDict[str, LoRAAdapter] = collections.OrderedDict()
+        self._refs: dict[str, int] = {}
+        self._orphans: dict[str, str] = {}           # unregistered, still referenced: name -> source
+        self._loading: dict[str, object] = {}        # name -> token of the load in flight
+        self._failed: dict[str, AdapterError] = {}   # name -> error of the last background load
+        self._counts = dict(hits=0, misses=0, loads=0, evictions=0, load_failures=0)
+        self._load_seconds_total = 0.0
+        self._recent_load_seconds: collections.deque[float] = collections.deque(maxlen=RECENT_LOADS)
+
+    # -- registry ---------------------------------------------------------
+
+    def register(self, name: str, source: str, pinned: bool = False) -> None:
+        """Make `name` known. Same source again: only the pinned flag changes.
+
+        A different source replaces the old one (and drops its weights) unless
+        the old weights are referenced by running requests.
+        """
+        with self._lock:
+            previous = self._sources.get(name, self._orphans.get(name))
+            if previous is not None and previous != source:
+                if self._refs.get(name, 0) > 0:
+                    raise AdapterError(
+                        f"adapter {name!r}: cannot register source {source!r} while the weights "
+                        f"of {previous!r} are used by {self._refs[name]} running request(s)")
+                self._resident.pop(name, None)
+                self._loading.pop(name, None)
+            self._orphans.pop(name, None)  # same source: running requests' weights are adopted
+            self._failed.pop(name, None)
+            self._sources[name] = source
+            if pinned:
+                self._pinned.add(name)
+            else:
+                self._pinned.discard(name)
+
+    def unregister(self, name: str) -> None:
+        """Forget `name`; referenced weights stay until their last `release`."""
+        with self._lock:
+            source = self._source_of(name)
+            del self._sources[name]
+            self._pinned.discard(name)
+            self._loading.pop(name, None)
+            self._failed.pop(name, None)
+            if self._refs.get(name, 0) > 0:
+                self._orphans[name] = source
+            else:
+                self._resident.pop(name, None)
+
+    def is_registered(self, name: str) -> bool:
+        with self._lock:
+            return name in self._sources
+
+    def registered(self) -> dict[str, str]:
+        with self._lock:
+            return dict(self._sources)
+
+    # -- loading ----------------------------------------------------------
+
+    def load_now(self, name: str) -> LoRAAdapter:
+        """Load synchronously (or return the resident copy); load_fn's errors propagate."""
+        with self._lock:
+            source = self._source_of(name)
+            if name in self._resident:
+                self._resident.move_to_end(name)
+                return self._resident[name]
+        start = time.perf_counter()
+        try:
+            adapter = self._load_fn(name, source)
+        except BaseException:
+            with self._lock:
+                self._counts["load_failures"] += 1
+            raise
+        with self._lock:
+            return self._insert(name, source, adapter, time.perf_counter() - start) or adapter
+
+    def ensure(self, name: str) -> bool:
+        """True if resident; else start one background load and return False.
+
+        Raises the error of the last failed background load once; the next
+        call retries.
+        """
+        with self._lock:
+            source = self._source_of(name)
+            if name in self._resident:
+                self._failed.pop(name, None)
+                self._counts["hits"] += 1
+                self._resident.move_to_end(name)
+                return True
+            if name in self._failed:
+                raise self._failed.pop(name)
+            if name in self._loading:
+                return False
+            self._counts["misses"] += 1
+            token = self._loading[name] = object()
+        try:
+            self._executor.submit(self._load_in_background, name, source, token)
+        except BaseException:
+            with self._lock:
+                if self._loading.get(name) is token:
+                    del self._loading[name]
+            raise
+        return False
+
+    def _load_in_background(self, name: str, source: str, token: object) -> None:
+        start = time.perf_counter()
+        try:
+            adapter = self._load_fn(name, source)
+        except Exception as exc:
+            error = exc
+            if not isinstance(exc, AdapterError):  # ensure() promises an AdapterError
+                error = AdapterError(f"adapter {name!r}: loading {source!r} failed: {exc!r}")
+                error.__cause__ = exc
+            with self._lock:
+                self._counts["load_failures"] += 1
+                if self._loading.get(name) is token:
+                    del self._loading[name]
+                    self._failed[name] = error
+            return
+        with self._lock:
+            if self._loading.get(name) is token:
+                del self._loading[name]
+            self._insert(name, source, adapter, time.perf_counter() - start)
+
+    def _source_of(self, name: str) -> str:
+        if name not in self._sources:
+            raise AdapterNotFoundError(f"adapter {name!r}: not registered")
+        return self._sources[name]
+
+    def _insert(self, name: str, source: str, adapter: LoRAAdapter,
+                seconds: float) -> LoRAAdapter | None:
+        """Count a finished load and insert it (under the lock); None if dropped."""
+        self._counts["loads"] += 1
+        self._load_seconds_total += seconds
+        self._recent_load_seconds.append(seconds)
+        if self._sources.get(name) != source:
+            return None  # unregistered or re-registered elsewhere while loading
+        if name not in self._resident:  # keep a copy already there: it may be referenced
+            self._resident[name] = adapter
+        self._resident.move_to_end(name)
+        self._evict(keep=name)
+        return self._resident[name]
+
+    def _evict(self, keep: str | None = None) -> None:
+        """Evict LRU adapters that are unreferenced, unpinned and not `keep`.
+
+        If none is evictable the cache stays over capacity: the controller
+        keeps in-use adapters <= max_loras_per_batch <= capacity, so this only
+        lasts until running requests release theirs (release re-evicts). Never
+        evicting the adapter just inserted stops a load-evict-reload loop.
+        """
+        while len(self._resident) > self.capacity:
+            victim = next((n for n in self._resident if n != keep and n not in self._pinned
+                           and self._refs.get(n, 0) == 0), None)
+            if victim is None:
+                return
+            del self._resident[victim]
+            self._counts["evictions"] += 1
+
+    # -- use by running requests -----------------------------------------
+
+    def get(self, name: str) -> LoRAAdapter | None:
+        with self._lock:
+            adapter = self._resident.get(name)
+            if adapter is not None:
+                self._resident.move_to_end(name)
+            return adapter
+
+    def acquire(self, name: str) -> LoRAAdapter:
+        with self._lock:
+            self._source_of(name)
+            if name not in self._resident:
+                raise AdapterError(f"adapter {name!r}: not resident in the host cache")
+            self._refs[name] = self._refs.get(name, 0) + 1
+            self._resident.move_to_end(name)
+            return self._resident[name]
+
+    def release(self, name: str) -> None:
+        with self._lock:
+            refs = self._refs.get(name, 0)
+            if refs <= 0:
+                raise RuntimeError(f"adapter {name!r}: release without acquire")
+            if refs > 1:
+                self._refs[name] = refs - 1
+                return
+            del self._refs[name]
+            if self._orphans.pop(name, None) is not None:
+                self._resident.pop(name, None)
+            self._evict()
+
+    def is_resident(self, name: str) -> bool:
+        with self._lock:
+            return name in self._resident
+
+    def stats(self) -> dict:
+        with self._lock:
+            return dict(
+                self._counts,
+                resident=len(self._resident),
+                capacity=self.capacity,
+                registered=len(self._sources),
+                pinned=len(self._pinned),
+                referenced=len(self._refs),
+                loading=len(self._loading),
+                resident_bytes=sum(a.nbytes() for a in self._resident.values()),
+                load_seconds_total=self._load_seconds_total,
+                recent_load_seconds=list(self._recent_load_seconds),
+            )
+
+    def close(self) -> None:
+        """Shut down the executor this cache created (an injected one belongs to the caller)."""
+        if self._owns_executor:
+            self._executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,229 @@
+"""The PEFT LoRA format on disk: where an adapter lives, its config, its tensors.
+
+Knows nothing of the base model; `lora.adapter.load_adapter` validates what is
+read here against a `LoRAModelSpec`. Every error names the adapter.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import huggingface_hub
+import torch
+from huggingface_hub.errors import HFValidationError
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from lora.errors import (AdapterConfigError, AdapterNotFoundError, AdapterPathError,
+                         AdapterUnsupportedError, AdapterWeightsError)
+
+CONFIG_NAME = "adapter_config.json"
+SAFETENSORS_NAME = "adapter_model.safetensors"
+PICKLED_NAME = "adapter_model.bin"
+
+# PEFT's LoraConfig default, used when a config omits lora_alpha.
+DEFAULT_LORA_ALPHA = 8
+
+# Config fields that change what an adapter computes at inference. The kernels
+# do plain LoRA only, so an adapter using any of these is refused, not served wrong.
+UNSUPPORTED_FIELDS = {
+    "use_dora": "DoRA",
+    "lora_bias": "a bias on lora_B",
+    "modules_to_save": "fully trained module copies",
+    "trainable_token_indices": "trainable token embeddings",
+    "target_parameters": "LoRA on parameters",
+    "layer_replication": "replicated layers",
+    "alora_invocation_tokens": "activated LoRA (aLoRA)",
+    "use_qalora": "QA-LoRA",
+    "use_bdlora": "block-diagonal LoRA",
+    "arrow_config": "Arrow routing",
+    "monteclora_config": "MonteCLoRA",
+    "kasa_config": "KaSA",
+}
+
+# `org/name` or `org/name@revision`; anything else that does not exist is a missing path.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?")
+# PEFT saves `base_model.model.<module path>.<parameter>` with the adapter name stripped.
+_TENSOR_KEY = re.compile(
+    r"base_model\.model\.(?P<path>.+)\.(?P<param>lora_A\.weight|lora_B\.weight|lora_embedding_A|lora_embedding_B)")
+_LAYER_INDEX = re.compile(r"(?:.*\.)?layers\.(\d+)\..+")
+
+
+def resolve_source(name: str, source: str, adapter_roots: Sequence[str] | None) -> tuple[Path, Sequence[str]]:
+    """The directory holding the adapter, and the roots its files must stay inside."""
+    path = Path(source)
+    if _HUB_ID.fullmatch(source) and not path.exists():
+        # Hub snapshots live in the HF cache, which the roots do not restrict.
+        return _snapshot(name, source), ()
+    roots = adapter_roots or ()
+    check_inside_roots(name, path, roots)
+    if not path.is_dir():
+        raise AdapterNotFoundError(f"adapter {name!r}: source {source!r} is not a directory nor a Hub id (org/name)")
+    return path, roots
+
+
+def check_inside_roots(name: str, path: Path, roots: Sequence[str]) -> None:
+    """Refuse `path` unless it resolves inside a root; realpath defeats `..` and symlinks."""
+    if not roots:
+        return
+    real = os.path.realpath(path)
+    for root in roots:
+        real_root = os.path.realpath(root)
+        if os.path.commonpath([real, real_root]) == real_root:
+            return
+    raise AdapterPathError(f"adapter {name!r}: path {str(path)!r} resolves to {real!r}, "
+                           f"outside adapter_roots {list(roots)}")
+
+
+def _snapshot(name: str, source: str) -> Path:
+    repo_id, _, revision = source.partition("@")
+    try:
+        folder = huggingface_hub.snapshot_download(
+            repo_id, revision=revision or None, allow_patterns=[CONFIG_NAME, SAFETENSORS_NAME])
+    except (OSError, HFValidationError) as error:  # not found, offline and not cached, bad id
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise AdapterNotFoundError(f"adapter {name!r}: Hub repo {source!r} unavailable: {reason}") from error
+    return Path(folder)
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """The parts of adapter_config.json that determine ranks and scalings."""
+    r: int
+    lora_alpha: float
+    use_rslora: bool
+    rank_pattern: dict[str, int]
+    alpha_pattern: dict[str, float]
+
+    def rank_and_scaling(self, module_path: str) -> tuple[int, float]:
+        """PEFT's per-module rank and scaling for e.g. `model.layers.0.self_attn.q_proj`."""
+        r = _pattern_value(self.rank_pattern, module_path, self.r)
+        alpha = _pattern_value(self.alpha_pattern, module_path, self.lora_alpha)
+        return r, alpha / (math.sqrt(r) if self.use_rslora else r)
+
+
+def _pattern_value(pattern: dict, module_path: str, default):
+    # As peft.utils.other.get_pattern_key: the first key, in file order, that
+    # matches the end of the module path at a `.` boundary.
+    for key, value in pattern.items():
+        if re.match(rf"(.*\.)?({key})$", module_path):
+            return value
+    return default
+
+
+def read_settings(name: str, directory: Path, roots: Sequence[str]) -> LoraSettings:
+    path = directory / CONFIG_NAME
+    check_inside_roots(name, path, roots)
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise AdapterConfigError(f"adapter {name!r}: {CONFIG_NAME} missing in {str(directory)!r}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise AdapterConfigError(f"adapter {name!r}: {CONFIG_NAME} is not valid JSON: {error}") from error
+    if not isinstance(config, dict):
+        raise AdapterConfigError(f"adapter {name!r}: {CONFIG_NAME} must hold a JSON object")
+    if config.get("peft_type") != "LORA":
+        raise AdapterConfigError(f"adapter {name!r}: peft_type is {config.get('peft_type')!r}, expected 'LORA'")
+    for field, feature in UNSUPPORTED_FIELDS.items():
+        if config.get(field):
+            raise AdapterUnsupportedError(
+                f"adapter {name!r}: {field}={config[field]!r} ({feature}) is not supported; expected unset")
+    if config.get("bias", "none") != "none":
+        raise AdapterUnsupportedError(f"adapter {name!r}: bias={config['bias']!r} is not supported; expected 'none'")
+    if "r" not in config:
+        raise AdapterConfigError(f"adapter {name!r}: 'r' missing in {CONFIG_NAME}")
+    rank_pattern = _pattern(name, config, "rank_pattern", int)
+    alpha_pattern = _pattern(name, config, "alpha_pattern", (int, float))
+    use_rslora = config.get("use_rslora", False)
+    if not isinstance(use_rslora, bool):
+        raise AdapterConfigError(f"adapter {name!r}: use_rslora={use_rslora!r}, expected true or false")
+    return LoraSettings(r=_number(name, "r", config["r"], int),
+                        lora_alpha=_number(name, "lora_alpha", config.get("lora_alpha", DEFAULT_LORA_ALPHA),
+                                           (int, float)),
+                        use_rslora=use_rslora, rank_pattern=rank_pattern, alpha_pattern=alpha_pattern)
+
+
+def _number(name: str, field: str, value, kind):
+    # bool is an int in Python; `"r": true` is still a malformed config.
+    if isinstance(value, bool) or not isinstance(value, kind) or not value > 0:
+        raise AdapterConfigError(f"adapter {name!r}: {field}={value!r}, expected a positive number"
+                                 + (" (integer)" if kind is int else ""))
+    return value
+
+
+def _pattern(name: str, config: dict, field: str, kind) -> dict:
+    pattern = config.get(field) or {}
+    if not isinstance(pattern, dict):
+        raise AdapterConfigError(f"adapter {name!r}: {field} must be an object of module pattern -> value")
+    for key, value in pattern.items():
+        _number(name, f"{field}[{key!r}]", value, kind)
+        try:
+            re.compile(key)
+        except re.error as error:
+            raise AdapterConfigError(f"adapter {name!r}: {field} key {key!r} is not a regex: {error}") from error
+    return pattern
+
+
+@dataclass
+class LoraTensorPair:
+    """lora_A / lora_B (or lora_embedding_A / _B) of one module, as stored."""
+    module_path: str            # e.g. model.layers.0.self_attn.q_proj
+    layer: int                  # -1 outside the decoder layers (embed_tokens, lm_head)
+    module: str                 # e.g. q_proj
+    embedding: bool             # stored as lora_embedding_A / lora_embedding_B
+    a_key: str
+    a: torch.Tensor
+    b_key: str
+    b: torch.Tensor
+
+
+def read_tensor_pairs(name: str, directory: Path, roots: Sequence[str]) -> list[LoraTensorPair]:
+    path = directory / SAFETENSORS_NAME
+    if not path.exists():
+        if (directory / PICKLED_NAME).exists():
+            raise AdapterUnsupportedError(f"adapter {name!r}: only {PICKLED_NAME} found; pickled weights are "
+                                          f"refused, expected {SAFETENSORS_NAME}")
+        raise AdapterNotFoundError(f"adapter {name!r}: {SAFETENSORS_NAME} missing in {str(directory)!r}")
+    check_inside_roots(name, path, roots)
+    try:
+        tensors = load_file(path)
+    except (OSError, SafetensorError) as error:
+        raise AdapterWeightsError(f"adapter {name!r}: cannot read {SAFETENSORS_NAME}: {error}") from error
+
+    halves: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
+    kinds: dict[str, bool] = {}
+    for key, tensor in tensors.items():
+        if key.endswith(".base_layer.weight"):  # a copy of the base weight, not part of the delta
+            continue
+        match = _TENSOR_KEY.fullmatch(key)
+        if match is None:
+            raise AdapterUnsupportedError(f"adapter {name!r}: tensor {key!r} is not a LoRA A/B weight; expected "
+                                          "base_model.model.<module>.lora_A.weight / lora_B.weight / "
+                                          "lora_embedding_A / lora_embedding_B")
+        module_path, param = match["path"], match["param"]
+        embedding = param.startswith("lora_embedding")
+        if kinds.setdefault(module_path, embedding) != embedding:
+            raise AdapterWeightsError(f"adapter {name!r}: module {module_path!r} mixes lora_A/lora_B and "
+                                      "lora_embedding_A/lora_embedding_B tensors")
+        halves.setdefault(module_path, {})["A" if "_A" in param else "B"] = (key, tensor)
+
+    pairs = []
+    for module_path, half in halves.items():
+        missing = {"A", "B"} - half.keys()
+        if missing:
+            present_key = next(iter(half.values()))[0]
+            raise AdapterWeightsError(f"adapter {name!r}: {present_key!r} has no matching lora_{missing.pop()} "
+                                      "tensor; expected both A and B")
+        layer = _LAYER_INDEX.fullmatch(module_path)
+        pairs.append(LoraTensorPair(module_path=module_path, layer=int(layer[1]) if layer else -1,
+                                    module=module_path.rsplit(".", 1)[-1], embedding=kinds[module_path],
+                                    a_key=half["A"][0], a=half["A"][1], b_key=half["B"][0], b=half["B"][1]))
+    if not pairs:
+        raise AdapterWeightsError(f"adapter {name!r}: {SAFETENSORS_NAME} holds no LoRA tensors; expected at least "
+                                  "one lora_A/lora_B pair")
+    return pairs

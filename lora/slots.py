@@ -1,0 +1,204 @@
+"""Device LoRA slots: which adapter owns which slot, and the slot buffers.
+
+`SlotTable` (controller, pure Python) decides slot loads for each batch;
+`SlotPool` (each worker) holds the device buffers, allocated once and only
+written in place, so captured graphs that read them stay valid.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Callable, Container, Iterable
+
+import torch
+
+from lora.adapter import LoRAAdapter, LoRAWeights
+
+# module -> (group, slice in the group's stacked output)
+MODULE_GROUPS: dict[str, tuple[str, int]] = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "o_proj": ("o_proj", 0),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", 0),
+    "embed_tokens": ("embed_tokens", 0),
+    "lm_head": ("lm_head", 0),
+}
+GROUP_STACKS = {"qkv_proj": 3, "o_proj": 1, "gate_up_proj": 2, "down_proj": 1,
+                "embed_tokens": 1, "lm_head": 1}
+GLOBAL_GROUPS = ("embed_tokens", "lm_head")  # one buffer for the model, stored at layer -1
+
+
+class SlotTable:
+    """Slot assignment: a free slot, else the LRU slot not in the batch and not pinned."""
+
+    def __init__(self, num_slots: int):
+        assert num_slots >= 1, num_slots
+        self.num_slots = num_slots
+        self._names: list[str | None] = [None] * num_slots
+        self._slots: dict[str, int] = {}
+        self._last_used = [0] * num_slots
+        self._clock = itertools.count(1)
+        self._counts = dict(hits=0, misses=0, evictions=0)
+
+    def slot_of(self, name: str) -> int | None:
+        return self._slots.get(name)
+
+    def assign(self, names: Iterable[str], pinned: Container[str] = ()) -> list[tuple[int, str]]:
+        """Give every adapter of the batch a slot; returns the loads needed as (slot, name).
+
+        Raises RuntimeError (and changes nothing) if the batch cannot fit.
+        """
+        names = list(dict.fromkeys(names))
+        if len(names) > self.num_slots:
+            raise RuntimeError(f"{len(names)} adapters in one batch, only {self.num_slots} slots")
+        wanted = set(names)
+        candidates = sorted(
+            (slot for slot, owner in enumerate(self._names)
+             if owner is None or (owner not in wanted and owner not in pinned)),
+            key=lambda slot: (self._names[slot] is not None, self._last_used[slot]))
+        missing = [name for name in names if name not in self._slots]
+        if len(missing) > len(candidates):
+            raise RuntimeError(
+                f"no slot for {missing[len(candidates):]}: the other slots hold adapters of "
+                f"this batch or pinned adapters")
+        loads = list(zip(candidates, missing))
+        for slot, name in loads:
+            owner = self._names[slot]
+            if owner is not None:
+                del self._slots[owner]
+                self._counts["evictions"] += 1
+            self._names[slot] = name
+            self._slots[name] = slot
+        self._counts["misses"] += len(loads)
+        self._counts["hits"] += len(names) - len(loads)
+        for name in names:
+            self._last_used[self._slots[name]] = next(self._clock)
+        return loads
+
+    def remove(self, name: str) -> int | None:
+        slot = self._slots.pop(name, None)
+        if slot is not None:
+            self._names[slot] = None
+            self._last_used[slot] = 0
+        return slot
+
+    def stats(self) -> dict:
+        return dict(self._counts, num_slots=self.num_slots, used=len(self._slots))
+
+
+@dataclass(frozen=True)
+class GroupShape:
+    in_dim: int                 # local (per-rank) input features; embed_tokens: local vocab size
+    out_dims: tuple[int, ...]   # local output features per stacked slice; embed_tokens: (hidden,)
+
+
+def _no_shard(module: str, weights: LoRAWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    return weights.lora_a, weights.lora_b
+
+
+class SlotPool:
+    """Per-slot LoRA weights on the device; `R = max_rank`, `L = num_slots`.
+
+    Linear group with `stack = len(out_dims)`:
+        a [L, stack*R, in_dim]   slice s of slot l in rows [s*R, s*R + r)
+        b (stack tensors)        b[s] [L, out_dims[s], R], columns [0, r) used
+    embed_tokens:
+        a [L, vocab, R]          lora_a.T (PEFT's lora_embedding_A is [r, vocab])
+        b (1 tensor)             [L, hidden, R]
+    Per layer for the linear groups; once, at layer -1, for embed_tokens / lm_head.
+    The scaling is folded into b, and every row / column a slot's adapter does
+    not use is zero, so a kernel that computes all R ranks (or an empty slot)
+    adds exactly the adapter's delta (or zero).
+
+    `shard(module, weights)` receives the full (unsharded) PEFT tensors of one
+    module and returns this tensor-parallel rank's (lora_a, lora_b), in the
+    same orientation; by default the full tensors.
+    """
+
+    def __init__(self, num_layers: int, groups: dict[str, GroupShape], num_slots: int, max_rank: int,
+                 dtype: torch.dtype, device: torch.device | str,
+                 shard: Callable[[str, LoRAWeights], tuple[torch.Tensor, torch.Tensor]] | None = None):
+        assert num_slots >= 1 and max_rank >= 1, (num_slots, max_rank)
+        for group, shape in groups.items():
+            if group not in GROUP_STACKS:
+                raise ValueError(f"unknown LoRA group {group!r}; known: {sorted(GROUP_STACKS)}")
+            if len(shape.out_dims) != GROUP_STACKS[group]:
+                raise ValueError(f"group {group!r} stacks {GROUP_STACKS[group]} slices, "
+                                 f"got out_dims {shape.out_dims}")
+        self.num_layers, self.groups = num_layers, dict(groups)
+        self.num_slots, self.max_rank = num_slots, max_rank
+        self.dtype, self.device = dtype, torch.device(device)
+        self.shard = shard or _no_shard
+        self.slot_ranks: list[int] = [0] * num_slots
+        self.buffers: dict[tuple[int, str], tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = {}
+        for group, shape in self.groups.items():
+            for layer in ([-1] if group in GLOBAL_GROUPS else range(num_layers)):
+                self.buffers[(layer, group)] = self._allocate(group, shape)
+
+    def _allocate(self, group: str, shape: GroupShape):
+        L, R = self.num_slots, self.max_rank
+        if group == "embed_tokens":
+            a = torch.zeros(L, shape.in_dim, R, dtype=self.dtype, device=self.device)
+        else:
+            a = torch.zeros(L, len(shape.out_dims) * R, shape.in_dim, dtype=self.dtype, device=self.device)
+        return a, tuple(torch.zeros(L, out, R, dtype=self.dtype, device=self.device)
+                        for out in shape.out_dims)
+
+    def load(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Copy `adapter` into `slot` in place; everything it does not use becomes zero.
+
+        Everything is checked (ValueError) before the slot is touched.
+        """
+        self._check_slot(slot)
+        if adapter.rank > self.max_rank:
+            raise ValueError(
+                f"adapter {adapter.name!r}: rank {adapter.rank} > max_lora_rank {self.max_rank}")
+        pieces = [self._prepare(adapter.name, key, weights) for key, weights in adapter.weights.items()]
+        self.clear(slot)
+        for (layer, group, s), a, b in pieces:
+            r = a.shape[0]
+            buf_a, buf_b = self.buffers[(layer, group)]
+            if group == "embed_tokens":
+                buf_a[slot, :, :r].copy_(a.T)
+            else:
+                buf_a[slot, s * self.max_rank:s * self.max_rank + r].copy_(a)
+            buf_b[s][slot, :, :r].copy_(b)
+        self.slot_ranks[slot] = adapter.rank
+
+    def _prepare(self, name: str, key: tuple[int, str], weights: LoRAWeights):
+        """Shard, check and scale one module's weights: ((layer, group, slice), a, b * scaling)."""
+        layer, module = key
+        if module not in MODULE_GROUPS:
+            raise ValueError(f"adapter {name!r}: unknown module {module!r}")
+        group, s = MODULE_GROUPS[module]
+        if group not in self.groups:
+            raise ValueError(f"adapter {name!r}: module {module!r} has no LoRA buffer (group {group!r})")
+        valid_layer = layer == -1 if group in GLOBAL_GROUPS else 0 <= layer < self.num_layers
+        if not valid_layer:
+            raise ValueError(f"adapter {name!r}: module {module!r} at invalid layer {layer}")
+        if weights.rank > self.max_rank:
+            raise ValueError(f"adapter {name!r}: {module!r} layer {layer} rank {weights.rank} "
+                             f"> max_lora_rank {self.max_rank}")
+        a, b = self.shard(module, weights)
+        shape, r = self.groups[group], weights.rank
+        expected_a, expected_b = (r, shape.in_dim), (shape.out_dims[s], r)
+        if tuple(a.shape) != expected_a or tuple(b.shape) != expected_b:
+            raise ValueError(f"adapter {name!r}: {module!r} layer {layer} local shapes "
+                             f"a {tuple(a.shape)} b {tuple(b.shape)}, expected {expected_a} {expected_b}")
+        return (layer, group, s), a, b.float() * weights.scaling
+
+    def clear(self, slot: int) -> None:
+        """Zero the slot (rank 0): an empty slot adds exactly zero."""
+        self._check_slot(slot)
+        for a, bs in self.buffers.values():
+            a[slot].zero_()
+            for b in bs:
+                b[slot].zero_()
+        self.slot_ranks[slot] = 0
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot {slot} out of range [0, {self.num_slots})")
+
+    def nbytes(self) -> int:
+        return sum(a.nbytes + sum(b.nbytes for b in bs) for a, bs in self.buffers.values())

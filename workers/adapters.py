@@ -1,0 +1,100 @@
+"""The engine's view of adapters: registry + host cache + device slot assignment.
+
+Lives with the controller. Loads happen on a background thread (the host
+cache's executor), so the step loop never waits on disk or the Hub.
+"""
+from __future__ import annotations
+
+from lora.adapter import LoRAAdapter, LoRAModelSpec, load_adapter
+from lora.cache import HostAdapterCache
+from lora.errors import AdapterError, AdapterNotFoundError
+from lora.slots import SlotTable
+
+
+class AdapterManager:
+    def __init__(self, spec: LoRAModelSpec, *, max_lora_rank: int, max_loaded_loras: int,
+                 max_loras_per_batch: int, adapter_roots: tuple[str, ...] = ()):
+        self.spec = spec
+        self.max_lora_rank = max_lora_rank
+        self.max_loras_per_batch = max_loras_per_batch
+        self.adapter_roots = adapter_roots
+        self.cache = HostAdapterCache(max_loaded_loras, self._load)
+        self.slots = SlotTable(max_loras_per_batch)
+        self.pinned: set[str] = set()
+        self.ranks: dict[str, int] = {}
+
+    def _load(self, name: str, source: str) -> LoRAAdapter:
+        adapter = load_adapter(name, source, self.spec, max_lora_rank=self.max_lora_rank,
+                               adapter_roots=self.adapter_roots or None)
+        self.ranks[name] = adapter.rank
+        return adapter
+
+    # ---- user operations -------------------------------------------------
+    def load(self, name: str, source: str, pinned: bool = False) -> LoRAAdapter:
+        """Register and load now, so a bad adapter is refused at once with its reason."""
+        if not name or ":" in name:
+            raise AdapterError(f"adapter name {name!r} must be non-empty and contain no ':'")
+        if pinned and len(self.pinned) + 1 >= self.max_loras_per_batch:
+            raise AdapterError(f"adapter {name!r}: pinning it would leave no free slot "
+                               f"(max_loras_per_batch={self.max_loras_per_batch})")
+        if self.cache.is_registered(name):
+            if self.cache.registered()[name] == source:
+                return self.cache.load_now(name)
+            self.unload(name)
+        self.cache.register(name, source, pinned=pinned)
+        try:
+            adapter = self.cache.load_now(name)
+        except Exception:
+            self.cache.unregister(name)
+            raise
+        if pinned:
+            self.pinned.add(name)
+        return adapter
+
+    def unload(self, name: str) -> None:
+        """New requests are refused at once; running ones keep their weights until they finish."""
+        if not self.cache.is_registered(name):
+            raise AdapterNotFoundError(f"adapter {name!r} is not loaded")
+        self.cache.unregister(name)
+        self.pinned.discard(name)
+        self._forget_if_unused(name)
+
+    def list(self) -> dict[str, str]:
+        return self.cache.registered()
+
+    def check_known(self, name: str) -> None:
+        if not self.cache.is_registered(name):
+            raise AdapterNotFoundError(f"adapter {name!r} is not loaded (known: {sorted(self.list())})")
+
+    # ---- controller operations -------------------------------------------
+    def ensure(self, name: str) -> bool:
+        """True when resident in host memory; otherwise a background load is started."""
+        self.check_known(name)
+        return self.cache.ensure(name)
+
+    def acquire(self, name: str) -> None:
+        self.cache.acquire(name)
+
+    def release(self, name: str) -> None:
+        self.cache.release(name)
+        self._forget_if_unused(name)
+
+    def assign_slots(self, names: set[str]) -> list[tuple[int, str, str]]:
+        """Give every adapter of the batch a slot; returns the loads (slot, name, source)."""
+        loads = self.slots.assign(sorted(names), pinned=self.pinned)
+        registered = self.cache.registered()
+        return [(slot, name, registered[name]) for slot, name in loads]
+
+    def slot_of(self, name: str | None) -> int:
+        return -1 if name is None else self.slots.slot_of(name)
+
+    def _forget_if_unused(self, name: str) -> None:
+        if not self.cache.is_registered(name) and not self.cache.is_resident(name):
+            self.slots.remove(name)
+            self.ranks.pop(name, None)
+
+    def stats(self) -> dict:
+        return {"host_cache": self.cache.stats(), "slots": self.slots.stats()}
+
+    def close(self) -> None:
+        self.cache.close()

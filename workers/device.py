@@ -1,0 +1,69 @@
+"""Platforms: cpu / cuda / npu. `torch_npu` is imported only on the npu platform."""
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Platform:
+    name: str                    # "cpu" | "cuda" | "npu"
+    dist_backend: str            # torch.distributed backend
+    ray_resource: str            # Ray resource one worker asks for
+    visible_devices_env: str | None
+    default_lora_backend: str
+    supports_graphs: bool
+
+    def torch_device(self, index: int = 0) -> torch.device:
+        return torch.device("cpu") if self.name == "cpu" else torch.device(self.name, index)
+
+    def set_device(self, index: int) -> None:
+        if self.name != "cpu":
+            getattr(torch, self.name).set_device(index)
+
+    def graph(self):
+        """A new device graph object (CUDAGraph / NPUGraph)."""
+        if self.name == "cuda":
+            return torch.cuda.CUDAGraph()
+        if self.name == "npu":
+            return torch.npu.NPUGraph()
+        raise RuntimeError("graph capture is not available on cpu")
+
+    def graph_context(self, graph, pool=None):
+        return getattr(torch, self.name).graph(graph, pool=pool)
+
+    def synchronize(self) -> None:
+        if self.name != "cpu":
+            getattr(torch, self.name).synchronize()
+
+
+PLATFORMS = {
+    "cpu": Platform("cpu", "gloo", "CPU", None, "torch_native", False),
+    "cuda": Platform("cuda", "nccl", "GPU", "CUDA_VISIBLE_DEVICES", "torch_native", True),
+    "npu": Platform("npu", "hccl", "NPU", "ASCEND_RT_VISIBLE_DEVICES", "ascend", True),
+}
+
+
+def _npu_available() -> bool:
+    if importlib.util.find_spec("torch_npu") is None:
+        return False
+    try:
+        import torch_npu  # noqa: F401  (registers torch.npu)
+    except Exception:  # an installed torch_npu without CANN fails to import
+        return False
+    return torch.npu.is_available()
+
+
+def get_platform(device: str = "auto") -> Platform:
+    """The platform for `device` ("auto" picks npu, then cuda, then cpu)."""
+    if device == "auto":
+        device = "npu" if _npu_available() else "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in PLATFORMS:
+        raise ValueError(f"device must be one of auto, {', '.join(PLATFORMS)}; got {device!r}")
+    if device == "npu":
+        import torch_npu  # noqa: F401
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but torch.cuda.is_available() is False")
+    return PLATFORMS[device]

@@ -1,0 +1,92 @@
+"""Paged KV cache: fixed-size blocks, block tables, a block allocator, attention in torch.
+
+Block 0 is a scratch block never handed out: padded rows of a decode bucket
+write their K/V there, so the write is a plain index_copy_ with no masking.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+import torch.nn.functional as F
+
+SCRATCH_BLOCK = 0
+
+
+class BlockAllocator:
+    def __init__(self, num_blocks: int):
+        assert num_blocks >= 2, "need at least one usable block besides the scratch block"
+        self.num_blocks = num_blocks
+        self.free: deque[int] = deque(range(1, num_blocks))
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_usable(self) -> int:
+        return self.num_blocks - 1
+
+    def allocate(self, n: int) -> list[int]:
+        assert n <= len(self.free), f"asked for {n} blocks, {len(self.free)} free"
+        return [self.free.popleft() for _ in range(n)]
+
+    def release(self, blocks: list[int]) -> None:
+        self.free.extend(blocks)
+
+
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+class KVCache:
+    """Per-layer K and V: [num_blocks, block_size, num_kv_heads, head_dim], allocated once."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device):
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.block_size = block_size
+
+    @staticmethod
+    def bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype) -> int:
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k_cache.flat[slot_mapping[t]] = k[t] (and v); k: [T, kv_heads, head_dim]."""
+    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int],
+                      scale: float) -> torch.Tensor:
+    """Causal attention within each sequence of a packed batch (fresh K/V, no cached prefix).
+
+    q: [T, H, D], k/v: [T, KVH, D] -> [T, H, D].
+    """
+    out = torch.empty_like(q)
+    for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+        qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))
+        out[start:end] = F.scaled_dot_product_attention(
+            qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True).transpose(0, 1)
+    return out
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query token per sequence over its paged context; fixed shapes, no host sync.
+
+    q: [B, H, D]; block_tables: [B, W]; context_lens: [B] -> [B, H, D].
+    Keys are gathered for all W blocks and masked past context_lens.
+    """
+    B, W = block_tables.shape
+    bs = k_cache.shape[1]
+    k = k_cache[block_tables].view(B, W * bs, *k_cache.shape[2:]).transpose(1, 2)
+    v = v_cache[block_tables].view(B, W * bs, *v_cache.shape[2:]).transpose(1, 2)
+    mask = torch.arange(W * bs, device=q.device)[None, :] < context_lens[:, None]
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
+                                         scale=scale, enable_gqa=True)
+    return out.squeeze(2)

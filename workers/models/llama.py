@@ -1,0 +1,111 @@
+"""The Llama-family decoder: Llama (untied), Qwen2 (qkv bias), Qwen3 (q/k RMSNorm, tied).
+
+Works on packed tokens [T, hidden]; attention reads and writes the paged KV cache.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.forward_batch import ForwardBatch
+from workers.kv_cache import decode_attention, prefill_attention, write_kv
+from workers.models.rope import RotaryEmbedding
+from workers.parallel import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RowParallelLinear,
+                              TPGroup, VocabParallelEmbedding)
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg, layer_index: int, tp: TPGroup, rope: RotaryEmbedding):
+        super().__init__()
+        self.layer_index = layer_index
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        bias = cfg.model_type == "qwen2" or getattr(cfg, "attention_bias", False)
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, cfg.num_attention_heads,
+                                          cfg.num_key_value_heads, bias, tp)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, False, tp)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.model_type == "qwen3" else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.model_type == "qwen3" else None
+        self.rope = rope
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: tuple[torch.Tensor, torch.Tensor]):
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x, batch.lora).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope(batch.positions, q, k)
+        k_cache, v_cache = kv
+        write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
+        if batch.is_prefill:
+            out = prefill_attention(q, k, v, batch.cu_seqlens, self.scale)
+        else:
+            out = decode_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens, self.scale)
+        return self.o_proj(out.reshape(-1, q_size), batch.lora)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg, tp: TPGroup):
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, tp)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x, batch.lora).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up, batch.lora)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, layer_index: int, tp: TPGroup, rope: RotaryEmbedding):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_index, tp, rope)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg, tp)
+
+    def forward(self, x, batch: ForwardBatch, kv):
+        x = x + self.self_attn(self.input_layernorm(x), batch, kv)
+        return x + self.mlp(self.post_attention_layernorm(x), batch)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg, tp: TPGroup, max_positions: int):
+        super().__init__()
+        if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type {cfg.model_type!r} is not supported ({SUPPORTED_MODEL_TYPES})")
+        self.config = cfg
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        rope = RotaryEmbedding(cfg, head_dim, max_positions)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, rope) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, batch: ForwardBatch, kv_cache) -> torch.Tensor:
+        """Logits [len(batch.logits_indices), vocab] in fp32."""
+        x = self.embed_tokens(batch.input_ids, batch.lora)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, batch, (kv_cache.k[i], kv_cache.v[i]))
+        x = self.norm(x[batch.logits_indices])
+        return self.lm_head(x, batch.lm_lora).float()

@@ -1,0 +1,79 @@
+"""Resolve a model directory and load its safetensors weights shard by shard.
+
+Each parameter's `weight_loader` reads only its rank's slice of a checkpoint
+tensor (safetensors slices are lazy), so TP ranks never load whole tensors.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+# checkpoint sub-name -> (our module, shard index within the fused module)
+STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+def resolve_model_path(model: str) -> Path:
+    """A local directory with config.json, or a Hub id resolved through huggingface_hub (offline cache ok)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model path {str(path)!r} has no config.json")
+        return path
+    looks_like_hub_id = model.count("/") == 1 and not model.startswith((".", "/", "~"))
+    if not looks_like_hub_id:
+        raise ValueError(f"model path {model!r} does not exist")
+    from huggingface_hub import snapshot_download
+    try:
+        return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
+    except Exception as exc:
+        raise ValueError(f"model {model!r} is neither a local directory nor a reachable Hub id: {exc}") from exc
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [path / f for f in sorted(set(weight_map.values()))]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {str(path)!r} (pickled .bin weights are not loaded)")
+    return files
+
+
+def _target(name: str) -> tuple[str, int]:
+    """Checkpoint tensor name -> (our parameter name, shard index)."""
+    name = name.removeprefix("model.")
+    for sub, (fused, shard) in STACKED.items():
+        if f".{sub}." in name:
+            return name.replace(sub, fused), shard
+    return name, 0
+
+
+def load_weights(model: nn.Module, path: Path) -> None:
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    for file in safetensors_files(path):
+        with safe_open(os.fspath(file), framework="pt") as f:
+            for name in f.keys():
+                target, shard = _target(name)
+                if target not in params:
+                    continue  # e.g. rotary inv_freq buffers in old checkpoints
+                param = params[target]
+                owner = model.get_submodule(target.rsplit(".", 1)[0])
+                tensor_slice = f.get_slice(name)
+                with torch.no_grad():
+                    if hasattr(owner, "weight_loader"):
+                        owner.weight_loader(param, tensor_slice, shard)
+                    else:
+                        param.data.copy_(tensor_slice[:])
+                loaded.add(target)
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    missing = set(params) - loaded - tied
+    if missing:
+        raise ValueError(f"checkpoint {str(path)!r} is missing weights: {sorted(missing)[:8]}")

@@ -1,0 +1,41 @@
+"""Rotary position embedding as a precomputed cos/sin table indexed by position."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def inverse_frequencies(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    rope_type = params.get("rope_type", "default")
+    if rope_type not in STATIC_ROPE_TYPES:
+        raise ValueError(f"rope_type {rope_type!r} is not supported (supported: {STATIC_ROPE_TYPES})")
+    if rope_type == "default":
+        base = params.get("rope_theta", 10000.0)
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        return 1.0 / (base ** exponents), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    return ROPE_INIT_FUNCTIONS[rope_type](hf_config, None)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, hf_config, head_dim: int, max_positions: int):
+        super().__init__()
+        inv_freq, attention_scaling = inverse_frequencies(hf_config, head_dim)
+        freqs = torch.arange(max_positions).float()[:, None] * inv_freq.float()[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q: [T, H, D], k: [T, KVH, D] rotated at `positions` [T]."""
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -1,0 +1,170 @@
+"""Tensor-parallel linear and embedding layers and the process-group helpers.
+
+Each layer owns only its rank's shard and knows how to cut that shard out of a
+full checkpoint tensor (`weight_loader` reads a safetensors slice, so a rank
+never materialises the whole tensor). Column-parallel layers split output
+rows; row-parallel layers split input columns and all-reduce once.
+The `lora` argument of `forward` is the step's LoRA batch info; base layers
+ignore it, the LoRA wrappers that replace them (lora/layers.py) use it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    rank: int = 0
+    size: int = 1
+    group: object = None                      # torch.distributed process group when size > 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's x along the last dim."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+
+def _narrow(tensor_slice, dim: int, start: int, size: int) -> torch.Tensor:
+    """Read rows/cols [start, start+size) of dim 0/1 from a safetensors slice or a tensor."""
+    index = (slice(start, start + size),) if dim == 0 else (slice(None), slice(start, start + size))
+    return tensor_slice[index]
+
+
+def _divide(n: int, d: int, what: str) -> int:
+    assert n % d == 0, f"{what} ({n}) must be divisible by tensor_parallel_size ({d})"
+    return n // d
+
+
+class ColumnParallelLinear(nn.Module):
+    """y_local = x @ W[rows of this rank].T (+ b); outputs stay sharded."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, tp: TPGroup):
+        super().__init__()
+        self.tp = tp
+        self.in_features = in_features
+        self.out_sizes = [_divide(n, tp.size, "output features") for n in out_sizes]
+        self.weight = nn.Parameter(torch.empty(sum(self.out_sizes), in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(sum(self.out_sizes)), requires_grad=False) if bias else None
+
+    @property
+    def out_offsets(self) -> list[int]:
+        offs = [0]
+        for n in self.out_sizes:
+            offs.append(offs[-1] + n)
+        return offs
+
+    def shard_range(self, shard: int) -> tuple[int, int]:
+        """(start, size) of this rank's rows within full checkpoint tensor `shard`."""
+        n = self.out_sizes[shard]
+        return self.tp.rank * n, n
+
+    def weight_loader(self, param: nn.Parameter, tensor_slice, shard: int = 0) -> None:
+        start, size = self.shard_range(shard)
+        off = self.out_offsets[shard]
+        param.data[off:off + size].copy_(_narrow(tensor_slice, 0, start, size))
+
+    def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v; kv heads are replicated when there are fewer than ranks."""
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, tp: TPGroup):
+        self.num_heads = _divide(num_heads, tp.size, "num_attention_heads")
+        if num_kv_heads >= tp.size:
+            self.num_kv_heads = _divide(num_kv_heads, tp.size, "num_key_value_heads")
+        else:
+            assert tp.size % num_kv_heads == 0, "tp size must be a multiple of num_key_value_heads"
+            self.num_kv_heads = 1
+        self.total_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        q, kv = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        super().__init__(hidden, [q * tp.size, kv * tp.size, kv * tp.size], bias, tp)
+
+    def shard_range(self, shard: int) -> tuple[int, int]:
+        size = self.out_sizes[shard]
+        if shard == 0:
+            return self.tp.rank * size, size
+        kv_head = self.tp.rank * self.total_kv_heads // self.tp.size if self.total_kv_heads < self.tp.size \
+            else self.tp.rank * self.num_kv_heads
+        return kv_head * self.head_dim, size
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_local @ W[:, cols of this rank].T) + b."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup):
+        super().__init__()
+        self.tp = tp
+        self.in_features = _divide(in_features, tp.size, "input features")
+        self.out_sizes = [out_features]
+        self.out_offsets = [0, out_features]
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, tensor_slice, shard: int = 0) -> None:
+        if param.dim() == 1:  # bias: added once, after the reduction
+            param.data.copy_(tensor_slice[:])
+        else:
+            param.data.copy_(_narrow(tensor_slice, 1, self.tp.rank * self.in_features, self.in_features))
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+    def reduce(self, y: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(y)
+        return y if self.bias is None else y + self.bias
+
+    def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
+        return self.reduce(self.partial(x))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows of the vocabulary split across ranks; out-of-shard ids contribute zero."""
+
+    def __init__(self, vocab_size: int, hidden: int, tp: TPGroup):
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.shard_size = -(-vocab_size // tp.size)
+        self.vocab_start = tp.rank * self.shard_size
+        self.weight = nn.Parameter(torch.zeros(self.shard_size, hidden), requires_grad=False)
+
+    def weight_loader(self, param: nn.Parameter, tensor_slice, shard: int = 0) -> None:
+        size = max(0, min(self.shard_size, self.vocab_size - self.vocab_start))
+        param.data[:size].copy_(_narrow(tensor_slice, 0, self.vocab_start, size))
+
+    def forward(self, ids: torch.Tensor, lora=None) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        inside = (local >= 0) & (local < self.shard_size)
+        out = F.embedding(local.clamp(0, self.shard_size - 1), self.weight) * inside.unsqueeze(-1)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits for this rank's vocabulary shard, gathered to the full vocabulary."""
+
+    def partial(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.weight)
+
+    def gather(self, logits: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_gather_last(logits)[..., :self.vocab_size]
+
+    def forward(self, hidden: torch.Tensor, lora=None) -> torch.Tensor:
+        return self.gather(self.partial(hidden))

@@ -1,0 +1,116 @@
+"""ModelRunner: one device's model shard, KV cache, LoRA slots; executes StepPlans.
+
+Prefill runs eagerly; decode goes through the GraphRunner.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from lora.adapter import LoRAAdapter
+from lora.backends.registry import get_lora_backend
+from lora.batch import make_batch_info
+from lora.layers import wrap_model
+from lora.slots import GroupShape, SlotPool
+from workers.config import EngineConfig
+from workers.device import Platform
+from workers.forward_batch import ForwardBatch
+from workers.graph_runner import GraphRunner
+from workers.kv_cache import KVCache
+from workers.models.llama import LlamaForCausalLM
+from workers.models.loader import load_weights
+from workers.parallel import TPGroup
+from workers.plan import StepPlan
+from workers.sampler import SamplingTensors, sample
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class RuntimeInfo:
+    """Values the engine computes at start-up (never written back into the config)."""
+    model_path: Path
+    hf_config: object
+    dtype: str
+    max_model_len: int
+    num_kv_blocks: int
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, runtime: RuntimeInfo, platform: Platform, tp: TPGroup,
+                 device: torch.device, get_adapter: Callable[[str, str], LoRAAdapter] | None = None):
+        self.config, self.runtime, self.platform, self.tp, self.device = config, runtime, platform, tp, device
+        self.dtype = TORCH_DTYPES[runtime.dtype]
+        cfg = runtime.hf_config
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(device):
+                self.model = LlamaForCausalLM(cfg, tp, runtime.max_model_len).eval()
+        finally:
+            torch.set_default_dtype(previous)
+        load_weights(self.model, runtime.model_path)
+        attn = self.model.layers[0].self_attn
+        self.kv_cache = KVCache(cfg.num_hidden_layers, runtime.num_kv_blocks, config.kv_block_size,
+                                attn.num_kv_heads, attn.head_dim, self.dtype, device)
+        self.vocab_size = cfg.vocab_size
+        self.get_adapter = get_adapter
+        self.slot_pool = self._init_lora() if config.enable_lora else None
+        graph_safe = config.graph_safe_decode
+        capture = platform.supports_graphs and not config.enforce_eager
+        self.graph_runner = GraphRunner(self.model, self.kv_cache, platform, device, config, runtime.max_model_len,
+                                        capture=capture, graph_safe=capture if graph_safe is None else graph_safe)
+
+    def _init_lora(self) -> SlotPool:
+        cfg, first = self.runtime.hf_config, self.model.layers[0]
+        shapes = {
+            "qkv_proj": GroupShape(cfg.hidden_size, tuple(first.self_attn.qkv_proj.out_sizes)),
+            "o_proj": GroupShape(first.self_attn.o_proj.in_features, (cfg.hidden_size,)),
+            "gate_up_proj": GroupShape(cfg.hidden_size, tuple(first.mlp.gate_up_proj.out_sizes)),
+            "down_proj": GroupShape(first.mlp.down_proj.in_features, (cfg.hidden_size,)),
+            "embed_tokens": GroupShape(cfg.vocab_size, (cfg.hidden_size,)),
+            "lm_head": GroupShape(cfg.hidden_size, (self.model.lm_head.shard_size,)),
+        }
+        wanted = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "o_proj": "o_proj",
+                  "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj",
+                  "embed_tokens": "embed_tokens", "lm_head": "lm_head"}
+        groups = {wanted[m]: shapes[wanted[m]] for m in self.config.lora_target_modules}
+        pool = SlotPool(cfg.num_hidden_layers, groups, self.config.max_loras_per_batch, self.config.max_lora_rank,
+                        self.dtype, self.device)
+        backend_name = self.config.lora_backend or self.platform.default_lora_backend
+        self.lora_backend = get_lora_backend(backend_name)()
+        wrap_model(self.model, pool.buffers, self.lora_backend)
+        return pool
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> tuple[list[int], list[float]]:
+        for slot, name, source in plan.lora_loads:
+            self.slot_pool.load(slot, self.get_adapter(name, source))
+        logits = self._prefill(plan) if plan.is_prefill else self.graph_runner.decode(plan, self._lora_info(plan))
+        tensors = SamplingTensors.from_lists(plan.temperatures, plan.top_ks, plan.top_ps, plan.seeds, plan.steps,
+                                             self.vocab_size, self.device)
+        tokens, logprobs = sample(logits, tensors)
+        return tokens.tolist(), logprobs.tolist()
+
+    def _lora_info(self, plan: StepPlan, token_slots: list[int] | None = None):
+        if self.slot_pool is None:
+            return None
+        return make_batch_info(token_slots if token_slots is not None else plan.lora_slots,
+                               self.slot_pool.slot_ranks, self.config.max_lora_rank, self.device)
+
+    def _prefill(self, plan: StepPlan) -> torch.Tensor:
+        bs = self.config.kv_block_size
+        slot_mapping = [table[p // bs] * bs + p % bs
+                        for table, n in zip(plan.block_tables, plan.seq_lens) for p in range(n)]
+        cu = [0]
+        for n in plan.seq_lens:
+            cu.append(cu[-1] + n)
+        token_slots = [s for s, n in zip(plan.lora_slots, plan.seq_lens) for _ in range(n)]
+        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=self.device)  # noqa: E731
+        batch = ForwardBatch(is_prefill=True, input_ids=as_tensor(plan.input_ids), positions=as_tensor(plan.positions),
+                             slot_mapping=as_tensor(slot_mapping), logits_indices=as_tensor([c - 1 for c in cu[1:]]),
+                             cu_seqlens=cu, lora=self._lora_info(plan, token_slots), lm_lora=self._lora_info(plan))
+        return self.model(batch, self.kv_cache)
