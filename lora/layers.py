@@ -62,7 +62,7 @@ class EmbeddingLoRA(_LoRALayer):
     def forward(self, ids: torch.Tensor, lora: LoRABatchInfo | None = None) -> torch.Tensor:
         y = self.base(ids)
         if _active(lora):
-            self.backend.add_embedding_lora(y, ids, self.lora_a, self.lora_b, lora)
+            self.backend.add_embedding_lora(y, ids, self.lora_a, self.lora_b[0], lora)
         return y
 
 

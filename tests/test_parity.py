@@ -1,0 +1,62 @@
+"""Acceptance: greedy tokens and logprobs equal transformers' for Llama, Qwen2 and Qwen3."""
+import pytest
+import torch
+
+from factories import PROMPTS
+from workers import EngineConfig, LLMEngine, SamplingParams
+
+MAX_TOKENS = 32
+
+
+def hf_greedy(model, tokenizer, prompt: str, max_tokens: int):
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
+                         output_logits=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, ids.shape[1]:].tolist()
+    logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens)]
+    return tokens, logprobs
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_greedy_parity_with_transformers(arch, model_dir, hf_model):
+    path = model_dir(arch)
+    model, tokenizer = hf_model(path)
+    engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", device="cpu"))
+    outs = engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+    for prompt, out in zip(PROMPTS, outs):
+        tokens, logprobs = hf_greedy(model, tokenizer, prompt, MAX_TOKENS)
+        assert out.token_ids == tokens, prompt
+        assert out.finish_reason == "length"
+        assert max(abs(a - b) for a, b in zip(out.logprobs, logprobs)) < 1e-4
+        assert out.text == tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def test_sharded_checkpoint_loads_identically(model_dir, tmp_path):
+    from factories import make_model
+    sharded = make_model(tmp_path / "sharded", "llama", max_shard_size="20KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    single = model_dir("llama")
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    a = LLMEngine(EngineConfig(model=str(single), device="cpu")).generate(PROMPTS[:3], params)
+    b = LLMEngine(EngineConfig(model=str(sharded), device="cpu")).generate(PROMPTS[:3], params)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+
+
+def test_eos_and_stop_conditions(model_dir):
+    path = model_dir("qwen3")
+    engine = LLMEngine(EngineConfig(model=str(path), device="cpu"))
+    free = engine.generate("Hello", SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+    first, third = free.token_ids[0], free.token_ids[2]
+    # a stop token id ends the request on that token, which is kept in token_ids
+    out = engine.generate("Hello", SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[third]))[0]
+    assert out.finish_reason == "stop" and out.token_ids == free.token_ids[:free.token_ids.index(third) + 1]
+    # the model's eos id is honoured unless ignore_eos
+    engine.eos_token_ids = {first}
+    out = engine.generate("Hello", SamplingParams(max_tokens=12, temperature=0.0))[0]
+    assert out.finish_reason == "stop" and out.token_ids == [first]
+    # a stop string truncates the text before it
+    text = free.text
+    stop = text[3:6]
+    out = LLMEngine(EngineConfig(model=str(path), device="cpu")).generate(
+        "Hello", SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop=[stop]))[0]
+    assert out.finish_reason == "stop" and out.text == text[:text.find(stop)]

@@ -1,0 +1,61 @@
+"""Acceptance: seeded sampling is reproducible whatever else is in the batch; sampler maths."""
+import math
+
+import torch
+
+from factories import PROMPTS
+from workers import EngineConfig, LLMEngine, SamplingParams
+from workers.sampler import SamplingTensors, sample
+
+
+def test_seeded_request_is_batch_independent(model_dir):
+    engine = LLMEngine(EngineConfig(model=str(model_dir("qwen3")), device="cpu"))
+    mine = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    solo = engine.generate(PROMPTS[2], mine)[0].token_ids
+    others = [SamplingParams(max_tokens=n, temperature=t, seed=s, ignore_eos=True)
+              for n, t, s in [(5, 1.0, 1), (30, 0.0, None), (12, 0.7, None), (24, 1.3, 9)]]
+    crowd = engine.generate([PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[3], PROMPTS[5]],
+                            [others[0], others[1], mine, others[2], others[3]])
+    assert crowd[2].token_ids == solo
+    other_seed = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, top_k=50, seed=99, ignore_eos=True)
+    assert engine.generate(PROMPTS[2], other_seed)[0].token_ids != solo
+
+
+def _tensors(n, temperature=1.0, top_k=-1, top_p=1.0, vocab=6, seed0=0):
+    return SamplingTensors.from_lists([temperature] * n, [top_k] * n, [top_p] * n,
+                                      list(range(seed0, seed0 + n)), [0] * n, vocab, "cpu")
+
+
+def test_sampling_follows_the_distribution():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    n = 20000
+    tokens, _ = sample(logits.expand(n, -1), _tensors(n))
+    freq = torch.bincount(tokens, minlength=6).float() / n
+    probs = torch.softmax(logits, -1)
+    assert torch.all((freq - probs).abs() < 4 * torch.sqrt(probs * (1 - probs) / n) + 1e-3)
+
+
+def test_top_k_top_p_and_temperature():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    n = 4000
+    tokens, logprobs = sample(logits.expand(n, -1), _tensors(n, top_k=2))
+    assert set(tokens.tolist()) == {0, 1}
+    # logprobs are of the model's own (untempered, unfiltered) distribution
+    assert torch.allclose(logprobs, torch.log_softmax(logits, -1)[tokens])
+    probs = torch.softmax(logits, -1)
+    tokens, _ = sample(logits.expand(n, -1), _tensors(n, top_p=float(probs[0] + probs[1] / 2)))
+    assert set(tokens.tolist()) == {0, 1}
+    tokens, _ = sample(logits.expand(n, -1), _tensors(n, temperature=0.05))
+    assert (tokens == 0).float().mean() > 0.99
+    greedy, _ = sample(logits.expand(3, -1), _tensors(3, temperature=0.0))
+    assert greedy.tolist() == [0, 0, 0]
+
+
+def test_noise_is_uniform_and_keyed_by_seed_and_step():
+    from workers.sampler import uniform_noise
+    u = uniform_noise(torch.tensor([7, 7, 8]), torch.tensor([0, 1, 0]), 5000)
+    assert 0 < u.min() and u.max() < 1 and abs(u.mean().item() - 0.5) < 0.02
+    assert not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
+    again = uniform_noise(torch.tensor([7]), torch.tensor([0]), 5000)
+    assert torch.equal(again[0], u[0])
+    assert math.isclose(u.var().item(), 1 / 12, rel_tol=0.05)
