@@ -69,3 +69,23 @@ def test_max_num_seqs_bounds_the_batch(model_dir):
         engine.step()
         peak = max(peak, engine.stats()["running"])
     assert peak == 2
+
+
+def test_failed_step_ends_its_requests_and_engine_recovers(model_dir, monkeypatch):
+    engine = LLMEngine(EngineConfig(model=str(model_dir("qwen3")), device="cpu"))
+    expected = alone(engine, PROMPTS[:1])[0]
+    rid = engine.add_request(PROMPTS[0], GREEDY)
+
+    def broken(plan):                       # fault injection: the device step raises once
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine.executor, "execute", broken)
+    try:
+        engine.step()
+        raise AssertionError("the step should have raised")
+    except RuntimeError as exc:
+        assert "device lost" in str(exc)
+    monkeypatch.undo()
+    assert not engine.has_unfinished() and rid not in engine._seqs
+    assert engine.stats()["free_kv_blocks"] == engine.stats()["total_kv_blocks"]
+    assert alone(engine, PROMPTS[:1])[0] == expected

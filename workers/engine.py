@@ -118,7 +118,13 @@ class LLMEngine:
         scheduled = self.controller.schedule()
         if scheduled is not None:
             plan, seqs = scheduled
-            tokens, logprobs = self.executor.execute(plan)
+            try:
+                tokens, logprobs = self.executor.execute(plan)
+            except Exception as exc:   # nothing is lost: the step's requests end with the error
+                for seq in seqs:
+                    self.controller.finish(seq, "error", error=f"step failed: {exc!r}")
+                    self._seqs.pop(seq.request_id, None)
+                raise
             self.controller.append_tokens(seqs, tokens, logprobs, self.eos_token_ids)
             for seq in seqs:
                 self._detokenize(seq)
