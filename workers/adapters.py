@@ -13,20 +13,22 @@ from lora.slots import SlotTable
 
 class AdapterManager:
     def __init__(self, spec: LoRAModelSpec, *, max_lora_rank: int, max_loaded_loras: int,
-                 max_loras_per_batch: int, adapter_roots: tuple[str, ...] = ()):
+                 max_loras_per_batch: int, adapter_roots: tuple[str, ...] = (), pin_memory: bool = False):
         self.spec = spec
         self.max_lora_rank = max_lora_rank
         self.max_loras_per_batch = max_loras_per_batch
         self.adapter_roots = adapter_roots
+        self.pin_memory = pin_memory    # page-locked host copies make slot loads async DMA on accelerators
         self.cache = HostAdapterCache(max_loaded_loras, self._load)
         self.slots = SlotTable(max_loras_per_batch)
         self.pinned: set[str] = set()
-        self.ranks: dict[str, int] = {}
 
     def _load(self, name: str, source: str) -> LoRAAdapter:
         adapter = load_adapter(name, source, self.spec, max_lora_rank=self.max_lora_rank,
                                adapter_roots=self.adapter_roots or None)
-        self.ranks[name] = adapter.rank
+        if self.pin_memory:
+            for weights in adapter.weights.values():
+                weights.lora_a, weights.lora_b = weights.lora_a.pin_memory(), weights.lora_b.pin_memory()
         return adapter
 
     # ---- user operations -------------------------------------------------
@@ -91,7 +93,6 @@ class AdapterManager:
     def _forget_if_unused(self, name: str) -> None:
         if not self.cache.is_registered(name) and not self.cache.is_resident(name):
             self.slots.remove(name)
-            self.ranks.pop(name, None)
 
     def stats(self) -> dict:
         return {"host_cache": self.cache.stats(), "slots": self.slots.stats()}

@@ -40,14 +40,30 @@ class LLMEngine:
             self.adapters = AdapterManager(spec, max_lora_rank=config.max_lora_rank,
                                            max_loaded_loras=config.max_loaded_loras,
                                            max_loras_per_batch=config.max_loras_per_batch,
-                                           adapter_roots=config.adapter_roots)
-        self.executor = Worker(config, self.runtime, self.platform, self._resident_adapter)
+                                           adapter_roots=config.adapter_roots,
+                                           pin_memory=self.platform.name != "cpu")
+        self.executor = self._make_executor()
         self.controller = Controller(config, self.runtime.num_kv_blocks, self.runtime.max_model_len,
                                      self.max_num_batched_tokens, self.adapters)
         self.eos_token_ids = _eos_ids(hf_config, self.tokenizer)
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._seqs: dict[str, Sequence] = {}
+
+    def _make_executor(self):
+        """In-process Worker for TP=1, else a WorkerGroup of Ray actors (Ray must be running: see worker_group.py)."""
+        cfg = self.config
+        if cfg.tensor_parallel_size == 1 and cfg.distributed_executor != "ray":
+            return Worker(cfg, self.runtime, self.platform, self._resident_adapter)
+        if cfg.distributed_executor == "inproc":
+            raise ValueError(f"tensor_parallel_size={cfg.tensor_parallel_size} needs one process per rank; "
+                             "use distributed_executor='auto' or 'ray'")
+        from workers.worker_group import WorkerGroup  # imports Ray only when actors are asked for
+        return WorkerGroup(cfg, self.runtime, self.platform)
+
+    def is_healthy(self) -> bool:
+        """False once a worker died or failed: Serve's check_health replaces the replica."""
+        return self.executor.is_healthy()
 
     def _runtime(self, path, hf_config) -> RuntimeInfo:
         cfg = self.config
@@ -193,6 +209,7 @@ class LLMEngine:
     def close(self) -> None:
         if self.adapters:
             self.adapters.close()
+        self.executor.close()
 
 
 def _eos_ids(hf_config, tokenizer) -> set[int]:
