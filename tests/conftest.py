@@ -5,6 +5,10 @@ import os
 
 import pytest
 
+# Before anything imports ray: every Ray process binds loopback only, no token auth, no usage stats.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+os.environ["RAY_AUTH_MODE"] = "disabled"
+os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

@@ -39,6 +39,40 @@ class RuntimeInfo:
     num_kv_blocks: int
 
 
+def lora_shard(model: LlamaForCausalLM):
+    """SlotPool's `shard(module, weights)` for this rank, cut like the base layers (DESIGN: LoRA under TP).
+
+    Column-parallel (q/k/v, gate/up, lm_head): A replicated, B's output rows of this
+    rank (k/v by the same kv-head ranges as the base, so replicated kv heads get the
+    same B rows). Row-parallel (o, down): A's input columns of this rank, B replicated.
+    embed_tokens: both replicated, the delta is added after the embedding's all-reduce.
+    Every layer has the same shapes, so layer 0's base modules describe them all.
+    """
+    attn, mlp, lm_head = model.layers[0].self_attn, model.layers[0].mlp, model.lm_head
+    column = {"q_proj": (attn.qkv_proj, 0), "k_proj": (attn.qkv_proj, 1), "v_proj": (attn.qkv_proj, 2),
+              "gate_proj": (mlp.gate_up_proj, 0), "up_proj": (mlp.gate_up_proj, 1)}
+    row = {"o_proj": attn.o_proj, "down_proj": mlp.down_proj}
+
+    def shard(module: str, weights) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = weights.lora_a, weights.lora_b
+        if module in column:
+            layer, index = column[module]
+            start, size = layer.shard_range(index)
+            return a, b[start:start + size]
+        if module in row:
+            n = row[module].in_features
+            start = row[module].tp.rank * n
+            return a[:, start:start + n], b
+        if module == "lm_head":  # the last vocab shard may run past the vocabulary: zero rows, like the base
+            local = b.new_zeros(lm_head.shard_size, b.shape[1])
+            rows = b[lm_head.vocab_start:lm_head.vocab_start + lm_head.shard_size]
+            local[:rows.shape[0]] = rows
+            return a, local
+        return a, b
+
+    return shard
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, runtime: RuntimeInfo, platform: Platform, tp: TPGroup,
                  device: torch.device, get_adapter: Callable[[str, str], LoRAAdapter] | None = None):
@@ -79,7 +113,7 @@ class ModelRunner:
                   "embed_tokens": "embed_tokens", "lm_head": "lm_head"}
         groups = {wanted[m]: shapes[wanted[m]] for m in self.config.lora_target_modules}
         pool = SlotPool(cfg.num_hidden_layers, groups, self.config.max_loras_per_batch, self.config.max_lora_rank,
-                        self.dtype, self.device)
+                        self.dtype, self.device, shard=lora_shard(self.model) if self.tp.size > 1 else None)
         backend_name = self.config.lora_backend or self.platform.default_lora_backend
         self.lora_backend = get_lora_backend(backend_name)()
         wrap_model(self.model, pool.buffers, self.lora_backend)

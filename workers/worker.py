@@ -5,9 +5,10 @@ same class runs as a Ray actor per device rank otherwise (worker_group.py).
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
-from lora.adapter import LoRAAdapter
+from lora.adapter import LoRAAdapter, load_adapter, model_spec_from_hf_config
 from workers.config import EngineConfig
 from workers.device import Platform
 from workers.parallel import TPGroup
@@ -26,3 +27,31 @@ class Worker:
 
     def is_alive(self) -> bool:
         return True
+
+    def is_healthy(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
+
+    def resident_bytes(self) -> dict:
+        """What this rank holds: bytes per model parameter (tied ones once), LoRA slot buffers, KV cache."""
+        runner = self.runner
+        return {"params": {name: p.nbytes for name, p in runner.model.named_parameters()},
+                "lora_slots": runner.slot_pool.nbytes() if runner.slot_pool is not None else 0,
+                "kv_cache": runner.kv_cache.k.nbytes + runner.kv_cache.v.nbytes}
+
+
+def adapter_loader(config: EngineConfig, hf_config) -> Callable[[str, str], LoRAAdapter]:
+    """A remote rank's own host copy of adapters: plans name (slot, adapter, source), never ship tensors.
+
+    LRU of `max_loaded_loras`, keyed by (name, source), like the engine's host cache.
+    """
+    spec = model_spec_from_hf_config(hf_config.to_dict(), config.lora_target_modules)
+
+    @functools.lru_cache(maxsize=config.max_loaded_loras)
+    def get_adapter(name: str, source: str) -> LoRAAdapter:
+        return load_adapter(name, source, spec, max_lora_rank=config.max_lora_rank,
+                            adapter_roots=config.adapter_roots or None)
+
+    return get_adapter
