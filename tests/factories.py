@@ -88,7 +88,7 @@ def make_model(path: Path, arch: str = "qwen3", seed: int = 0, max_shard_size: s
 
     path = Path(path)
     tok = make_tokenizer(path)
-    cfg = model_config(arch, vocab_size=len(tok), **overrides)
+    cfg = model_config(arch, vocab_size=overrides.pop("vocab_size", len(tok)), **overrides)
     cfg.eos_token_id = tok.convert_tokens_to_ids("<|im_end|>")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
