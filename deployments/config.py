@@ -1,0 +1,126 @@
+"""The user's serving config (validated at the Serve edge) and what it turns into: EngineConfig, Serve options.
+
+`LLMConfig` is what `serve_config.yaml`'s `args`, the CLI and `build_app` take.
+It is resolved once, in `build_app`, into absolute paths and a concrete device;
+after that nothing writes to it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from workers.config import EngineConfig
+from workers.device import PLATFORMS
+
+DEMO_MODEL = "demo"                 # the embedded default: a tiny deterministic model built locally
+ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
+
+
+class LLMConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # what to serve
+    model: str = DEMO_MODEL                        # local HF directory, Hub id, or "demo"
+    served_model_name: str | None = None           # the `model` clients name; default from `model`
+    adapters: dict[str, str] = Field(default_factory=dict)   # name -> local dir or Hub id, loaded at start
+    # engine
+    device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
+    tensor_parallel_size: int = Field(1, ge=1)
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = Field(64, ge=1)
+    max_loras_per_batch: int = Field(4, ge=1)
+    max_loaded_loras: int = Field(16, ge=1)
+    max_lora_rank: int = Field(64, ge=1)
+    adapter_roots: list[str] = Field(default_factory=list)
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict)   # any other EngineConfig field
+    # Serve
+    num_replicas: int | None = Field(None, ge=1)   # fixed count; leave unset with autoscaling_config
+    autoscaling_config: dict[str, Any] | None = None
+    max_ongoing_requests: int = Field(64, ge=1)
+    max_num_models_per_replica: int | None = None  # adapters kept warm per replica; default max_loaded_loras
+    replica_cpus: float = Field(1.0, gt=0)
+    registry_sync_interval_s: float = Field(0.25, gt=0)   # how fast replicas see hot-load / unload
+    demo_cache_dir: str | None = None              # where "demo" is generated; default .cache/
+
+    @field_validator("adapters")
+    @classmethod
+    def _adapter_names(cls, adapters: dict[str, str]) -> dict[str, str]:
+        for name in adapters:
+            if not name or ":" in name:
+                raise ValueError(f"adapter name {name!r} must be non-empty and contain no ':'")
+        return adapters
+
+    @field_validator("engine_kwargs")
+    @classmethod
+    def _engine_kwargs(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        unknown = set(kwargs) - ENGINE_FIELDS
+        if unknown:
+            raise ValueError(f"engine_kwargs {sorted(unknown)} are not EngineConfig fields")
+        return kwargs
+
+    def model_post_init(self, _context) -> None:
+        if self.num_replicas is not None and self.autoscaling_config is not None:
+            raise ValueError("set num_replicas or autoscaling_config, not both")
+        EngineConfig(**self._engine_args())   # fail here, at the edge, on a bad engine setting
+
+    @property
+    def base_model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        if self.model == DEMO_MODEL:
+            return "loraserve-demo"
+        return self.model.rstrip("/").split("/")[-1] if self.model.startswith(("/", ".", "~")) else self.model
+
+    def _engine_args(self) -> dict[str, Any]:
+        args = dict(model=self.model, device=self.device, tensor_parallel_size=self.tensor_parallel_size,
+                    dtype=self.dtype, max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
+                    max_loras_per_batch=self.max_loras_per_batch, max_loaded_loras=self.max_loaded_loras,
+                    max_lora_rank=self.max_lora_rank, adapter_roots=tuple(self.adapter_roots))
+        return {**args, **self.engine_kwargs}
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(**self._engine_args())
+
+    # ---- Serve options -------------------------------------------------------------------------
+    def in_process(self) -> bool:
+        """TP=1 runs the model inside the replica process (no worker actor), so the replica holds the device."""
+        executor = self.engine_kwargs.get("distributed_executor", "auto")
+        return self.tensor_parallel_size == 1 and executor in ("auto", "inproc")
+
+    def placement_group_bundles(self) -> list[dict[str, float]]:
+        """Bundle 0 is the replica; then one device bundle per TP rank (the worker group takes the last ones)."""
+        resource = PLATFORMS[self.device].ray_resource if self.device != "auto" else "CPU"
+        replica = {"CPU": self.replica_cpus}
+        if self.in_process():
+            if resource != "CPU":
+                replica[resource] = 1.0
+            return [replica]
+        return [replica] + [{resource: 1.0} for _ in range(self.tensor_parallel_size)]
+
+    def ray_actor_options(self) -> dict[str, Any]:
+        """The replica's own resources: exactly bundle 0."""
+        bundle = dict(self.placement_group_bundles()[0])
+        options: dict[str, Any] = {"num_cpus": bundle.pop("CPU")}
+        if "GPU" in bundle:
+            options["num_gpus"] = bundle.pop("GPU")
+        if bundle:
+            options["resources"] = bundle
+        return options
+
+    def deployment_options(self) -> dict[str, Any]:
+        options: dict[str, Any] = dict(
+            max_ongoing_requests=self.max_ongoing_requests, ray_actor_options=self.ray_actor_options(),
+            placement_group_bundles=self.placement_group_bundles(), placement_group_strategy="STRICT_PACK",
+            health_check_period_s=5, graceful_shutdown_timeout_s=5)
+        if self.autoscaling_config is not None:
+            options["autoscaling_config"] = self.autoscaling_config
+        else:
+            options["num_replicas"] = self.num_replicas or 1
+        return options
+
+    @property
+    def models_per_replica(self) -> int:
+        return self.max_num_models_per_replica or self.max_loaded_loras

@@ -1,0 +1,217 @@
+"""LLMServer: the Serve deployment holding one AsyncLLMEngine per replica.
+
+Adapters are routed with Serve's multiplexing: a caller names the adapter as
+`multiplexed_model_id`, Serve prefers a replica that already holds it, and the
+replica loads it on first use (from the app's adapter registry). Handle
+methods: `generate`, `generate_stream`, `load_adapter`, `unload_adapter`,
+`list_adapters`, `stats`; `check_health` fails once the engine (or one of its
+workers) is dead, so Serve replaces the replica.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from contextlib import aclosing
+from typing import Any, AsyncIterator
+
+from ray import serve
+
+from deployments.adapter_registry import AdapterMirror, get_registry
+from deployments.config import LLMConfig
+from deployments.metrics import ServerMetrics
+from lora.errors import AdapterError, AdapterNotFoundError
+from workers.async_engine import AsyncLLMEngine
+from workers.config import SamplingParams
+from workers.engine import LLMEngine
+from workers.sequence import RequestOutput
+
+Prompt = str | list[int]
+
+
+@dataclasses.dataclass
+class ServedOutput(RequestOutput):
+    """A RequestOutput plus where it was served; stream items carry only what is new since the last one."""
+    num_prompt_tokens: int = 0
+    replica_id: str = ""
+
+
+class LLMServer:
+    async def __init__(self, config: LLMConfig):
+        self.config = config
+        context = serve.get_replica_context()
+        self.replica_id = context.replica_id.unique_id
+        self.engine = AsyncLLMEngine(await asyncio.to_thread(_build_engine, config))   # minutes for a big model
+        self.metrics = ServerMetrics()
+        registry = get_registry(context.app_name, config.base_model_name, config.registry_sync_interval_s)
+        await registry.seed.remote(config.adapters)
+        self.adapters = AdapterMirror(registry, self.engine, self.replica_id, config.registry_sync_interval_s,
+                                      self.stats, loaded=config.adapters)
+        await self.adapters.sync()
+        self._sync_task = asyncio.get_running_loop().create_task(self.adapters.run())
+        # Serve's per-replica LRU of adapter ids: what it reports drives routing affinity. Built here
+        # because its size comes from the config; a plain function, as Serve keeps its state on it.
+        async def load_for_routing(name: str) -> str:
+            await self._ensure_loaded(name)
+            return name
+
+        self._warm_adapter = serve.multiplexed(max_num_models_per_replica=config.models_per_replica)(
+            load_for_routing)
+
+    # ---- generation ---------------------------------------------------------------------------------
+    async def generate(self, prompt: Prompt | None = None, sampling_params: SamplingParams | dict | None = None,
+                       *, messages: list[dict] | None = None, request_id: str | None = None) -> ServedOutput:
+        """The finished output (cumulative). The adapter is the call's `multiplexed_model_id`."""
+        adapter, prompt, params = await self._start(prompt, sampling_params, messages)
+        last = None
+        async with aclosing(self._outputs(adapter, prompt, params, request_id)) as outputs:
+            async for last in outputs:
+                pass
+        return self._served(last, last.token_ids, last.text, last.logprobs)
+
+    async def generate_stream(self, prompt: Prompt | None = None,
+                              sampling_params: SamplingParams | dict | None = None, *,
+                              messages: list[dict] | None = None,
+                              request_id: str | None = None) -> AsyncIterator[ServedOutput]:
+        """Deltas: new tokens, text and logprobs per item (prompt_token_ids on the first only).
+
+        Text is held back while it may still change: a trailing partial UTF-8
+        character, or a possible start of a stop string.
+        """
+        adapter, prompt, params = await self._start(prompt, sampling_params, messages)
+        hold = max((len(s) for s in params.stop), default=1) - 1
+        sent_tokens, sent_text = 0, ""
+        async with aclosing(self._outputs(adapter, prompt, params, request_id)) as outputs:
+            async for out in outputs:
+                visible = out.text if out.finished else out.text[:len(out.text) - hold].rstrip("\ufffd")
+                new_text = visible[len(sent_text):]
+                if out.token_ids[sent_tokens:] or new_text or out.finished:
+                    item = self._served(out, out.token_ids[sent_tokens:], new_text, out.logprobs[sent_tokens:])
+                    if sent_tokens:
+                        item.prompt_token_ids = []
+                    yield item
+                sent_tokens, sent_text = len(out.token_ids), sent_text + new_text
+
+    async def _start(self, prompt, sampling_params, messages) -> tuple[str | None, Prompt, SamplingParams]:
+        adapter = await self._adapter_for_request()   # an unknown adapter is a 404 before anything else
+        prompt, params = await self._prepare(prompt, sampling_params, messages)
+        return adapter, prompt, params
+
+    async def _outputs(self, adapter: str | None, prompt: Prompt, params: SamplingParams,
+                       request_id: str | None) -> AsyncIterator[RequestOutput]:
+        kind, last, outcome = ("lora" if adapter else "base"), None, "error"
+        try:
+            async with aclosing(self.engine.generate(prompt, params, adapter, request_id)) as stream:
+                async for last in stream:
+                    yield last
+            outcome = last.finish_reason
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome = "abort"
+            raise
+        finally:
+            self.metrics.record_request(kind, outcome, len(last.prompt_token_ids) if last else 0,
+                                        len(last.token_ids) if last else 0)
+
+    async def _prepare(self, prompt: Prompt | None, sampling_params, messages) -> tuple[Prompt, SamplingParams]:
+        if messages is not None:
+            if prompt is not None:
+                raise ValueError("give a prompt or chat messages, not both")
+            prompt = await self.engine.with_tokenizer(lambda tokenizer: _render_chat(tokenizer, messages))
+        if prompt is None or (isinstance(prompt, (str, list)) and not prompt):
+            raise ValueError("prompt is empty")
+        if isinstance(sampling_params, SamplingParams):
+            return prompt, sampling_params
+        kwargs = dict(sampling_params or {})
+        if kwargs.get("max_tokens") is None and messages is not None:   # chat default: the rest of the context
+            if isinstance(prompt, str):
+                prompt = await self.engine.with_tokenizer(lambda tokenizer: tokenizer(prompt).input_ids)
+            kwargs["max_tokens"] = self.engine.max_model_len - len(prompt)
+            if kwargs["max_tokens"] < 1:
+                raise ValueError(f"the prompt ({len(prompt)} tokens) fills max_model_len "
+                                 f"({self.engine.max_model_len}); no room to generate")
+        kwargs = {k: v for k, v in kwargs.items() if v is not None}
+        return prompt, SamplingParams(**kwargs)
+
+    def _served(self, out: RequestOutput, token_ids, text, logprobs) -> ServedOutput:
+        return ServedOutput(out.request_id, list(out.prompt_token_ids), list(token_ids), text, list(logprobs),
+                            out.finish_reason, out.adapter, out.error, len(out.prompt_token_ids), self.replica_id)
+
+    # ---- adapters -----------------------------------------------------------------------------------
+    async def _adapter_for_request(self) -> str | None:
+        name = serve.get_multiplexed_model_id()
+        if not name:
+            return None
+        await self._warm_adapter(name)        # first use on this replica loads it; Serve learns we hold it
+        await self._ensure_loaded(name)       # the registry may have changed since it was warmed
+        return name
+
+    async def _ensure_loaded(self, name: str) -> None:
+        try:
+            seconds = await self.adapters.ensure_loaded(name)
+        except AdapterNotFoundError:
+            raise                                  # an unknown name, not a failed load
+        except AdapterError:
+            self.metrics.record_adapter_load(None, ok=False)
+            raise
+        if seconds is not None:
+            self.metrics.record_adapter_load(seconds, ok=True)
+
+    async def load_adapter(self, name: str, source: str) -> dict[str, Any]:
+        """Hot-load: validated here (AdapterError says why not), then published to every replica."""
+        try:
+            seconds = await self.adapters.load(name, source)
+        except AdapterError:
+            self.metrics.record_adapter_load(None, ok=False)
+            raise
+        self.metrics.record_adapter_load(seconds, ok=True)
+        await self._warm_adapter(name)
+        return {"lora_name": name, "lora_path": source, "load_seconds": seconds}
+
+    async def unload_adapter(self, name: str) -> dict[str, Any]:
+        """Unknown name: AdapterNotFoundError. Running requests finish with the weights they started with."""
+        await self.adapters.unload(name)
+        return {"lora_name": name}
+
+    async def list_adapters(self) -> dict[str, str]:
+        _, sources = await self.adapters.registry.snapshot.remote()
+        return sources
+
+    # ---- health and stats ---------------------------------------------------------------------------
+    async def stats(self) -> dict[str, Any]:
+        engine = await self.engine.stats()
+        self.metrics.record_engine(engine)
+        return {"replica_id": self.replica_id, "healthy": self.engine.is_healthy(), "engine": engine,
+                "adapters_loaded": sorted(self.adapters.loaded), "metrics": self.metrics.totals()}
+
+    async def is_healthy(self) -> bool:
+        return await self.engine.check_health()
+
+    async def check_health(self) -> None:
+        """Called by Serve every health_check_period_s; raising makes Serve replace this replica."""
+        if not await self.engine.check_health():
+            raise RuntimeError(f"replica {self.replica_id}: the engine or one of its workers is dead "
+                               f"({self.engine.error or 'a worker does not answer'})")
+
+    async def __del__(self):
+        """Serve's shutdown hook (also after a failed __init__: only what was built is torn down)."""
+        if hasattr(self, "_sync_task"):
+            self._sync_task.cancel()
+            try:
+                await asyncio.wait_for(self.adapters.close(), 5)
+            except Exception:  # noqa: BLE001  (the registry may already be gone at shutdown)
+                pass
+        if hasattr(self, "engine"):
+            await asyncio.to_thread(self.engine.close)
+
+
+def _build_engine(config: LLMConfig) -> LLMEngine:
+    engine = LLMEngine(config.engine_config())
+    for name, source in config.adapters.items():   # a bad configured adapter fails the deployment, loudly
+        engine.load_adapter(name, source)
+    return engine
+
+
+def _render_chat(tokenizer, messages: list[dict]) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # jinja errors: the messages do not fit the model's template
+        raise ValueError(f"chat template failed for these messages: {exc}") from exc

@@ -1,0 +1,118 @@
+"""Serving metrics: Ray Serve / Prometheus instruments per replica, and a `/metrics` text rendering.
+
+Each LLMServer replica records into `ray.serve.metrics` instruments, which Ray's
+metrics agent exports to Prometheus (as `ray_loraserve_*`, with the Serve tags
+application / deployment / replica added). The same totals travel with the
+replica's registry heartbeat, so the ingress can answer `GET /metrics` for the
+whole application without a Prometheus server.
+Tags stay low-cardinality: `kind` is base or lora, never the adapter name.
+"""
+from __future__ import annotations
+
+from ray.serve.metrics import Counter, Gauge, Histogram
+
+LOAD_SECONDS_BUCKETS = [0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0]
+# engine stats() counters exported as Prometheus counters: (stats path, metric name)
+ENGINE_COUNTERS = [
+    (("lora", "host_cache", "hits"), "lora_host_cache_hits"),
+    (("lora", "host_cache", "misses"), "lora_host_cache_misses"),
+    (("lora", "host_cache", "loads"), "lora_host_cache_loads"),
+    (("lora", "host_cache", "evictions"), "lora_host_cache_evictions"),
+    (("lora", "slots", "hits"), "lora_slot_hits"),
+    (("lora", "slots", "misses"), "lora_slot_misses"),
+    (("lora", "slots", "evictions"), "lora_slot_evictions"),
+    (("num_preemptions",), "preemptions"),
+]
+ENGINE_GAUGES = [
+    (("running",), "num_running"), (("waiting",), "num_waiting"),
+    (("free_kv_blocks",), "kv_cache_free_blocks"), (("total_kv_blocks",), "kv_cache_blocks"),
+    (("lora", "host_cache", "resident"), "lora_host_cache_resident"),
+    (("lora", "host_cache", "referenced"), "lora_host_cache_referenced"),
+]
+
+
+def _get(stats: dict, path: tuple[str, ...]):
+    for key in path:
+        if not isinstance(stats, dict) or key not in stats:
+            return None
+        stats = stats[key]
+    return stats
+
+
+class ServerMetrics:
+    """One replica's instruments; `totals()` is the same data as a flat dict (name -> number)."""
+
+    def __init__(self):
+        self._requests = Counter("loraserve_requests", "Requests ended, by kind (base|lora) and outcome.",
+                                 tag_keys=("kind", "outcome"))
+        self._prompt_tokens = Counter("loraserve_prompt_tokens", "Prompt tokens of admitted requests.",
+                                      tag_keys=("kind",))
+        self._generated_tokens = Counter("loraserve_generated_tokens", "Tokens generated.", tag_keys=("kind",))
+        self._adapter_loads = Counter("loraserve_adapter_loads", "Adapter loads into a replica's engine.",
+                                      tag_keys=("outcome",))
+        self._load_seconds = Histogram("loraserve_adapter_load_seconds", "Adapter load latency into a replica.",
+                                       boundaries=LOAD_SECONDS_BUCKETS)
+        self._engine_counters = {name: Counter(f"loraserve_{name}", f"Engine counter {'.'.join(path)}.")
+                                 for path, name in ENGINE_COUNTERS}
+        self._engine_gauges = {name: Gauge(f"loraserve_{name}", f"Engine state {'.'.join(path)}.")
+                               for path, name in ENGINE_GAUGES}
+        self._totals: dict[str, float] = {}
+
+    def _add(self, name: str, value: float, **labels: str) -> None:
+        if labels:
+            name += "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
+        self._totals[name] = self._totals.get(name, 0) + value
+
+    def record_request(self, kind: str, outcome: str, prompt_tokens: int, generated_tokens: int) -> None:
+        self._requests.inc(tags={"kind": kind, "outcome": outcome})
+        self._add("requests_total", 1, kind=kind, outcome=outcome)
+        if prompt_tokens:
+            self._prompt_tokens.inc(prompt_tokens, tags={"kind": kind})
+            self._add("prompt_tokens_total", prompt_tokens, kind=kind)
+        if generated_tokens:
+            self._generated_tokens.inc(generated_tokens, tags={"kind": kind})
+            self._add("generated_tokens_total", generated_tokens, kind=kind)
+
+    def record_adapter_load(self, seconds: float | None, ok: bool) -> None:
+        outcome = "ok" if ok else "error"
+        self._adapter_loads.inc(tags={"outcome": outcome})
+        self._add("adapter_loads_total", 1, outcome=outcome)
+        if seconds is not None:
+            self._load_seconds.observe(seconds)
+            self._add("adapter_load_seconds_sum", seconds)
+            self._add("adapter_load_seconds_count", 1)
+
+    def record_engine(self, stats: dict) -> None:
+        """Engine stats are cumulative: counters advance by the difference since the last call."""
+        for path, name in ENGINE_COUNTERS:
+            value = _get(stats, path)
+            if value is None:
+                continue
+            key = f"{name}_total"
+            delta = value - self._totals.get(key, 0)
+            if delta > 0:
+                self._engine_counters[name].inc(delta)
+            self._totals[key] = value
+        for path, name in ENGINE_GAUGES:
+            value = _get(stats, path)
+            if value is not None:
+                self._engine_gauges[name].set(value)
+                self._totals[name] = value
+
+    def totals(self) -> dict[str, float]:
+        return dict(self._totals)
+
+
+def render_prometheus(per_replica: dict[str, dict], model: str) -> str:
+    """Prometheus text format: every replica's totals, labelled with the model and the replica."""
+    samples: dict[str, list[str]] = {}
+    for replica, stats in sorted(per_replica.items()):
+        for key, value in sorted(stats.get("metrics", {}).items()):
+            name, _, labels = key.partition("{")
+            labels = ",".join(filter(None, [f'model="{model}",replica="{replica}"', labels.rstrip("}")]))
+            samples.setdefault(name, []).append(f"loraserve_{name}{{{labels}}} {value}")
+    lines = []
+    for name, rows in sorted(samples.items()):
+        kind = "counter" if name.endswith(("_total", "_sum", "_count")) else "gauge"
+        lines += [f"# TYPE loraserve_{name} {kind}", *rows]
+    return "\n".join(lines) + "\n"

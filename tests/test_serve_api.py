@@ -1,0 +1,259 @@
+"""Serve end to end (local Ray on loopback, two LLMServer replicas): the openai client, DeploymentHandle
+calls, hot-load / unload across replicas, errors, client disconnects, health / models / metrics."""
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+
+import openai
+import pytest
+import requests
+
+from factories import PROMPTS, make_adapter
+from serve_fixtures import local_serve, wait_until
+from workers import EngineConfig, LLMEngine, SamplingParams
+
+APP, BASE = "api", "tiny"
+MAX_MODEL_LEN, MAX_RANK = 512, 8
+REPLICA = "x-loraserve-replica"
+
+
+@pytest.fixture(scope="module")
+def files(model_dir, tmp_path_factory):
+    model = model_dir("qwen3")
+    root = tmp_path_factory.mktemp("serve_adapters")
+    return {"model": model,
+            "a": make_adapter(model, root / "a", r=8, seed=1),
+            "hot": make_adapter(model, root / "hot", r=4, seed=2, target_modules=("q_proj", "o_proj", "up_proj")),
+            "too_big": make_adapter(model, root / "too_big", r=16, seed=3)}
+
+
+@pytest.fixture(scope="module")
+def url(files):
+    from ray import serve
+
+    from deployments.app import build_app
+
+    with local_serve(num_cpus=6) as base_url:   # 2 replicas + a TP=2 replica with its 2 ranks (logical CPUs)
+        # max_ongoing_requests=2: a burst overflows the replica holding an adapter, so both replicas serve
+        serve.run(build_app(dict(model=str(files["model"]), served_model_name=BASE, adapters={"a": str(files["a"])},
+                                 device="cpu", max_model_len=MAX_MODEL_LEN, max_lora_rank=MAX_RANK, num_replicas=2,
+                                 max_ongoing_requests=2, registry_sync_interval_s=0.1)),
+                  name=APP, route_prefix="/")
+        yield base_url
+
+
+@pytest.fixture(scope="module")
+def reference(files):
+    engine = LLMEngine(EngineConfig(model=str(files["model"]), device="cpu", max_model_len=MAX_MODEL_LEN,
+                                    max_lora_rank=MAX_RANK))
+    engine.load_adapter("a", str(files["a"]))
+    return engine
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def ids(tokens: list[str]) -> list[int]:
+    return [int(t.removeprefix("token_id:")) for t in tokens]
+
+
+def replica_stats() -> dict[str, dict]:
+    """Every live replica's last heartbeat (engine stats, loaded adapters, metric totals)."""
+    import ray
+
+    from deployments.adapter_registry import NAMESPACE, registry_name
+    registry = ray.get_actor(registry_name(APP, BASE), namespace=NAMESPACE)
+    return ray.get(registry.replica_stats.remote())
+
+
+def complete(url: str, model: str, **kw) -> requests.Response:
+    body = {"model": model, "prompt": "Hello", "max_tokens": 4, "temperature": 0.0, **kw}
+    return requests.post(f"{url}/v1/completions", json=body, timeout=120)
+
+
+@pytest.mark.parametrize("model, adapter", [(BASE, None), (f"{BASE}:a", "a")])
+def test_openai_client_greedy_equals_engine_generate(url, reference, model, adapter):
+    c, prompt, n = client(url), PROMPTS[1], 8
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    extra = {"ignore_eos": True}
+
+    expected = reference.generate(prompt, params, [adapter])[0]
+    done = c.completions.create(model=model, prompt=prompt, max_tokens=n, temperature=0, logprobs=1, extra_body=extra)
+    assert ids(done.choices[0].logprobs.tokens) == expected.token_ids
+    assert done.choices[0].text == expected.text and done.choices[0].finish_reason == "length"
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (len(expected.prompt_token_ids), n)
+    chunks = [ch.choices[0] for ch in c.completions.create(model=model, prompt=prompt, max_tokens=n, temperature=0,
+                                                           logprobs=1, stream=True, extra_body=extra)]
+    assert sum((ids(ch.logprobs.tokens) for ch in chunks), []) == expected.token_ids
+    assert "".join(ch.text for ch in chunks) == expected.text and chunks[-1].finish_reason == "length"
+
+    messages = [{"role": "user", "content": prompt}]
+    chat_prompt = reference.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    expected = reference.generate(chat_prompt, params, [adapter])[0]
+    chat = c.chat.completions.create(model=model, messages=messages, max_tokens=n, temperature=0, logprobs=True,
+                                     extra_body=extra)
+    assert ids([t.token for t in chat.choices[0].logprobs.content]) == expected.token_ids
+    assert chat.choices[0].message.content == expected.text
+    chunks = [ch.choices[0] for ch in c.chat.completions.create(model=model, messages=messages, max_tokens=n,
+                                                                temperature=0, stream=True, extra_body=extra)]
+    assert "".join(ch.delta.content or "" for ch in chunks) == expected.text
+    assert chunks[0].delta.role == "assistant" and chunks[-1].finish_reason == "length"
+
+
+def test_handle_generate_and_generate_stream_agree(url, reference):
+    from ray import serve
+
+    handle = serve.get_deployment_handle("LLMServer", app_name=APP)
+    params = {"max_tokens": 10, "temperature": 0.0, "ignore_eos": True}
+    out = handle.options(multiplexed_model_id="a").generate.remote(PROMPTS[2], params).result(timeout_s=120)
+    deltas = list(handle.options(multiplexed_model_id="a", stream=True).generate_stream.remote(PROMPTS[2], params))
+    assert sum((d.token_ids for d in deltas), []) == out.token_ids
+    assert "".join(d.text for d in deltas) == out.text and deltas[-1].finish_reason == out.finish_reason == "length"
+    assert out.token_ids == reference.generate(PROMPTS[2], SamplingParams(**params), ["a"])[0].token_ids
+    assert out.adapter == "a" and out.replica_id
+    # a SamplingParams object works as well as a dict
+    again = handle.options(multiplexed_model_id="a").generate.remote(PROMPTS[2], SamplingParams(**params))
+    assert again.result(timeout_s=120).token_ids == out.token_ids
+
+
+def test_hot_load_is_served_by_every_replica_and_unload_reaches_all(url, files):
+    load = requests.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "hot", "lora_path": str(files["hot"])},
+                         timeout=120)
+    assert load.status_code == 200, load.text
+    assert "hot" in [m["id"] for m in requests.get(f"{url}/v1/models", timeout=30).json()["data"]]
+
+    def burst(model: str, count: int = 12) -> list[requests.Response]:
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            return list(pool.map(lambda i: complete(url, model, prompt=PROMPTS[i % 8], max_tokens=12), range(count)))
+
+    served_by: set[str] = set()
+    for _ in range(3):   # bounded: each burst overflows the holder's 2 slots, so the other replica takes some
+        responses = burst(f"{BASE}:hot")
+        assert [r.status_code for r in responses] == [200] * len(responses), responses[0].text
+        served_by |= {r.headers[REPLICA] for r in responses}
+        if len(served_by) == 2:
+            break
+    assert len(served_by) == 2
+    assert all("hot" in s["adapters_loaded"] for s in replica_stats().values())
+
+    unload = requests.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "hot"}, timeout=120)
+    assert unload.status_code == 200, unload.text
+    assert not any("hot" in s["adapters_loaded"] for s in replica_stats().values())   # no wait: unload waited
+    after = burst(f"{BASE}:hot", count=8)
+    assert {r.status_code for r in after} == {404}
+    assert after[0].json()["error"]["code"] == "model_not_found"
+    assert "hot" not in [m["id"] for m in requests.get(f"{url}/v1/models", timeout=30).json()["data"]]
+    assert complete(url, f"{BASE}:a").status_code == 200
+
+
+BAD_REQUESTS = [  # (what, path, json body or raw text, status, a word of the message)
+    ("unknown adapter", "/v1/completions", {"model": f"{BASE}:nope", "prompt": "Hi"}, 404, "nope"),
+    ("unknown model", "/v1/chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "Hi"}]},
+     404, "gpt-4"),
+    ("malformed JSON", "/v1/completions", '{"model": "tiny", "prompt": ', 400, "JSON"),
+    ("missing field", "/v1/completions", {"model": BASE}, 422, "prompt"),
+    ("unsupported n", "/v1/completions", {"model": BASE, "prompt": "Hi", "n": 2}, 422, "n=2"),
+    ("max_tokens beyond context", "/v1/completions", {"model": BASE, "prompt": "Hi", "max_tokens": 4096}, 400,
+     "max_model_len"),
+    ("streamed, beyond context", "/v1/completions",
+     {"model": f"{BASE}:a", "prompt": "Hi", "max_tokens": 4096, "stream": True}, 400, "max_model_len"),
+    ("chat beyond context", "/v1/chat/completions",
+     {"model": BASE, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4096}, 400, "max_model_len"),
+    ("negative temperature", "/v1/completions", {"model": BASE, "prompt": "Hi", "temperature": -1}, 400,
+     "temperature"),
+    ("adapter path missing", "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/no/such/adapter"}, 400,
+     "/no/such/adapter"),
+    ("adapter rank too big", "/v1/load_lora_adapter", {"lora_name": "big", "lora_path": "{too_big}"}, 400,
+     "max_lora_rank"),
+    ("bad adapter name", "/v1/load_lora_adapter", {"lora_name": "a:b", "lora_path": "{too_big}"}, 400, "a:b"),
+    ("unload unknown", "/v1/unload_lora_adapter", {"lora_name": "nope"}, 404, "nope"),
+]
+
+
+@pytest.mark.parametrize("what, path, body, status, word", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
+def test_errors_are_openai_bodies_and_the_service_keeps_serving(url, files, what, path, body, status, word):
+    if isinstance(body, dict):
+        body = {k: v.format(too_big=files["too_big"]) if isinstance(v, str) else v for k, v in body.items()}
+        response = requests.post(f"{url}{path}", json=body, timeout=120)
+    else:
+        response = requests.post(f"{url}{path}", data=body, headers={"content-type": "application/json"}, timeout=60)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert word in error["message"] and error["type"] and error["code"]
+    assert complete(url, f"{BASE}:a").status_code == 200
+    assert complete(url, BASE).status_code == 200
+
+
+def test_client_disconnect_mid_stream_aborts_and_releases(url):
+    def totals(key: str) -> float:
+        return sum(v for s in replica_stats().values() for k, v in s["metrics"].items() if k.startswith(key))
+
+    aborted_before = totals('requests_total{kind="lora",outcome="abort"')
+    stream = client(url).completions.create(model=f"{BASE}:a", prompt="Hello", max_tokens=MAX_MODEL_LEN - 16,
+                                            temperature=0, stream=True, extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    for _ in range(3):
+        next(chunks)
+    wait_until(lambda: any(s["engine"]["running"] == 1 and s["engine"]["lora"]["host_cache"]["referenced"] == 1
+                           for s in replica_stats().values()), 30, "the stream to hold KV blocks and its adapter")
+    stream.close()
+
+    def released() -> bool:
+        engines = [s["engine"] for s in replica_stats().values()]
+        return all(e["running"] == e["waiting"] == 0 and e["free_kv_blocks"] == e["total_kv_blocks"]
+                   and e["lora"]["host_cache"]["referenced"] == 0 for e in engines)
+
+    wait_until(released, 30, "KV blocks and adapter references to be released on every replica")
+    assert totals('requests_total{kind="lora",outcome="abort"') == aborted_before + 1
+
+
+def test_health_models_and_metrics(url):
+    assert requests.get(f"{url}/health", timeout=30).json() == {"status": "ok"}
+    models = requests.get(f"{url}/v1/models", timeout=30).json()["data"]
+    assert [m["id"] for m in models] == [BASE, "a"] and models[1]["parent"] == BASE
+    text = requests.get(f"{url}/metrics", timeout=30).text
+    for name in ("requests_total", "generated_tokens_total", "adapter_loads_total", "adapter_load_seconds_count",
+                 "lora_host_cache_hits_total", "lora_host_cache_misses_total", "lora_slot_hits_total",
+                 "lora_slot_misses_total", "kv_cache_free_blocks"):
+        assert f"# TYPE loraserve_{name} " in text, name
+    assert text.count(f'model="{BASE}",replica=') >= 2 * 9
+
+
+def test_tensor_parallel_replica_runs_its_ranks_in_its_placement_group(url, files, reference):
+    """TP=2 on CPU: the replica's group is [replica, rank 0, rank 1]; the ranks' answer equals TP=1's;
+    a dead rank makes the replica unhealthy."""
+    from ray import serve
+    from ray._private.state import actors
+    from ray.util import placement_group_table
+
+    from deployments.app import build_app
+
+    serve.run(build_app(dict(model=str(files["model"]), served_model_name="tp2", device="cpu",
+                             max_model_len=MAX_MODEL_LEN, max_lora_rank=MAX_RANK, tensor_parallel_size=2,
+                             adapters={"a": str(files["a"])})), name="tp", route_prefix="/tp")
+    try:
+        body = {"model": "tp2:a", "prompt": PROMPTS[3], "max_tokens": 8, "temperature": 0.0, "ignore_eos": True,
+                "logprobs": 0}
+        response = requests.post(f"{url}/tp/v1/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        expected = reference.generate(PROMPTS[3], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                                      ["a"])[0]
+        assert ids(response.json()["choices"][0]["logprobs"]["tokens"]) == expected.token_ids
+        created = [(g["strategy"], list(g["bundles"].values())) for g in placement_group_table().values()
+                   if g["state"] == "CREATED"]
+        assert ("STRICT_PACK", [{"CPU": 1.0}] * 3) in created    # the replica's bundle, then one per rank
+
+        # a rank's process dies (a device failure): the replica reports unhealthy, so /health is a 503
+        # and Serve's check_health replaces it
+        ranks = [a for a in actors(actor_state_name="ALIVE").values() if a["ActorClassName"] == "RayWorker"]
+        assert len(ranks) == 2
+        os.kill(ranks[1]["Pid"], signal.SIGKILL)
+        wait_until(lambda: requests.get(f"{url}/tp/health", timeout=60).status_code == 503, 60,
+                   "/tp/health to report the dead rank")
+        error = requests.get(f"{url}/tp/health", timeout=60).json()["error"]
+        assert error["code"] == "service_unavailable"
+    finally:
+        serve.delete("tp")

@@ -1,0 +1,142 @@
+"""The Serve edge without Ray: config -> placement, OpenAI request validation, error mapping, metrics text,
+the CLI's arguments, and the deterministic demo model."""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from deployments import protocol as oai
+from deployments.cli import config_from_args, parse_args
+from deployments.config import LLMConfig
+from deployments.errors import ModelNotFoundError, classify, error_body
+from deployments.metrics import render_prometheus
+from lora.errors import AdapterNotFoundError, AdapterRankError
+from workers.async_engine import EngineDeadError, RequestError
+from workers.device import PLATFORMS
+from workers.ray_utils import worker_bundle_indices
+
+
+@pytest.mark.parametrize("device, tp, bundles, actor", [
+    ("cpu", 1, [{"CPU": 1.0}], {"num_cpus": 1.0}),
+    ("npu", 1, [{"CPU": 1.0, "NPU": 1.0}], {"num_cpus": 1.0, "resources": {"NPU": 1.0}}),
+    ("cuda", 1, [{"CPU": 1.0, "GPU": 1.0}], {"num_cpus": 1.0, "num_gpus": 1.0}),
+    ("npu", 8, [{"CPU": 1.0}] + [{"NPU": 1.0}] * 8, {"num_cpus": 1.0}),
+    ("cpu", 2, [{"CPU": 1.0}] + [{"CPU": 1.0}] * 2, {"num_cpus": 1.0}),
+])
+def test_placement_is_the_replica_bundle_plus_one_device_bundle_per_rank(device, tp, bundles, actor):
+    config = LLMConfig(model="/m", device=device, tensor_parallel_size=tp)
+    assert config.placement_group_bundles() == bundles
+    assert config.ray_actor_options() == actor
+    options = config.deployment_options()
+    assert options["placement_group_strategy"] == "STRICT_PACK" and options["num_replicas"] == 1
+    if tp > 1:   # the worker group takes the last tp bundles of the replica's group
+        assert worker_bundle_indices(bundles, PLATFORMS[device], tp) == list(range(1, tp + 1))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"num_replicas": 2, "autoscaling_config": {"min_replicas": 1}}, "not both"),
+    ({"engine_kwargs": {"no_such_field": 1}}, "no_such_field"),
+    ({"adapters": {"a:b": "/x"}}, "a:b"),
+    ({"max_loras_per_batch": 8, "max_loaded_loras": 2}, "max_loaded_loras"),
+    ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
+    ({"unknown": 1}, "unknown"),
+])
+def test_bad_configs_fail_at_the_edge(kwargs, match):
+    with pytest.raises(ValidationError, match=match):
+        LLMConfig(model="/m", **kwargs)
+
+
+def test_served_model_names():
+    assert LLMConfig().base_model_name == "loraserve-demo"
+    assert LLMConfig(model="/models/qwen3-8b/").base_model_name == "qwen3-8b"
+    assert LLMConfig(model="Qwen/Qwen3-8B").base_model_name == "Qwen/Qwen3-8B"
+    assert LLMConfig(model="/m", served_model_name="x").base_model_name == "x"
+
+
+def test_openai_requests_refuse_what_they_cannot_honour():
+    with pytest.raises(ValidationError, match="n=2"):
+        oai.CompletionRequest(model="m", prompt="x", n=2)
+    with pytest.raises(ValidationError, match="temperature"):
+        oai.CompletionRequest.model_validate_json('{"model": "m", "prompt": "x", "temperature": NaN}')
+    with pytest.raises(ValidationError, match="presence_penalty"):
+        oai.ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], presence_penalty=0.5)
+    ok = oai.CompletionRequest(model="m", prompt=["a", "b"], best_of=1, logit_bias={}, user="u", unknown_field=1)
+    assert ok.prompts() == ["a", "b"] and oai.CompletionRequest(model="m", prompt=[1, 2]).prompts() == [[1, 2]]
+    parts = [{"type": "text", "text": "hi"}]
+    chat = oai.ChatCompletionRequest(model="m", messages=[{"role": "user", "content": parts}], max_completion_tokens=5)
+    assert chat.chat_messages() == [{"role": "user", "content": "hi"}] and chat.sampling_params(None)["max_tokens"] == 5
+    with pytest.raises(ValueError, match="image_url"):
+        oai.ChatMessage(role="user", content=[{"type": "image_url", "image_url": {}}]).text()
+
+
+@pytest.mark.parametrize("exc, status", [
+    (AdapterNotFoundError("adapter 'x' is not loaded"), 404), (ModelNotFoundError("m"), 404),
+    (AdapterRankError("adapter 'x': rank 16 > max_lora_rank 8"), 400), (ValueError("max_tokens"), 400),
+    (EngineDeadError("dead"), 503), (RequestError("failed"), 500), (RuntimeError("bug"), 500),
+])
+def test_errors_map_to_openai_bodies(exc, status):
+    assert classify(exc)[0] == status
+    code, body = error_body(exc)
+    assert code == status and set(body["error"]) >= {"message", "type", "code"}
+    assert body["error"]["message"] == str(exc)
+
+
+def test_an_error_from_another_replica_keeps_its_status_and_message():
+    from ray.exceptions import RayTaskError
+
+    wrapped = RayTaskError("generate", "Traceback ...", AdapterNotFoundError("adapter 'x' is not loaded"))
+    wrapped = wrapped.as_instanceof_cause()
+    assert error_body(wrapped) == (404, {"error": {"message": "adapter 'x' is not loaded", "type": "NotFoundError",
+                                                   "code": "model_not_found", "param": None}})
+
+
+def test_metrics_text_labels_every_sample_with_model_and_replica():
+    text = render_prometheus({"r1": {"metrics": {'requests_total{kind="lora",outcome="stop"}': 3,
+                                                 "kv_cache_free_blocks": 7}},
+                              "r2": {"metrics": {'requests_total{kind="base",outcome="length"}': 1}}}, "tiny")
+    assert text.splitlines() == [
+        "# TYPE loraserve_kv_cache_free_blocks gauge",
+        'loraserve_kv_cache_free_blocks{model="tiny",replica="r1"} 7',
+        "# TYPE loraserve_requests_total counter",
+        'loraserve_requests_total{model="tiny",replica="r1",kind="lora",outcome="stop"} 3',
+        'loraserve_requests_total{model="tiny",replica="r2",kind="base",outcome="length"} 1',
+    ]
+
+
+def test_cli_arguments_become_the_config():
+    args = parse_args(["serve", "--model", "/m", "--lora", "a=/adapters/a", "--lora", "b=org/b", "--tp", "8",
+                       "--device", "npu", "--port", "8123", "--max-lora-rank", "32"])
+    config = config_from_args(args)
+    assert (config.model, config.adapters, config.tensor_parallel_size, config.device, config.max_lora_rank) == (
+        "/m", {"a": "/adapters/a", "b": "org/b"}, 8, "npu", 32)
+    assert (args.host, args.port) == ("127.0.0.1", 8123)
+    assert config_from_args(parse_args(["serve", "--demo"])).model == "demo"
+    with pytest.raises(SystemExit):
+        parse_args(["serve", "--demo", "--model", "/m"])
+    with pytest.raises(SystemExit, match="NAME=SOURCE"):
+        config_from_args(parse_args(["serve", "--lora", "nameonly"]))
+
+
+def _digest(root: Path) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        digest.update(str(path.relative_to(root)).encode() + path.read_bytes())
+    return digest.hexdigest()
+
+
+def test_demo_model_is_deterministic_and_built_once(tmp_path):
+    from deployments.app import resolve
+    from deployments.demo_model import ensure_demo
+
+    model_a, adapters_a = ensure_demo(tmp_path / "a")
+    model_b, _ = ensure_demo(tmp_path / "b")
+    assert _digest(model_a.parent) == _digest(model_b.parent)
+    stamp = (model_a / "config.json").stat().st_mtime_ns
+    assert ensure_demo(tmp_path / "a") == (model_a, adapters_a)
+    assert (model_a / "config.json").stat().st_mtime_ns == stamp     # found complete: not rebuilt
+    resolved = resolve(LLMConfig(demo_cache_dir=str(tmp_path / "a"), device="cpu"))
+    assert resolved.model == str(model_a) and resolved.adapters == adapters_a
+    assert resolved.base_model_name == "loraserve-demo"

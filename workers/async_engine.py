@@ -1,0 +1,269 @@
+"""AsyncLLMEngine: the synchronous LLMEngine driven by a background thread, with per-request async streams.
+
+Only the step thread touches the engine: callers hand it commands (add, abort,
+adapter load/unload, stats) through a queue and await their result, so the
+engine needs no locks and a step is never interleaved with a mutation. Each
+request's stream holds only its latest cumulative output (outputs are
+cumulative, so a slow reader skips intermediate ones and memory stays bounded).
+
+Every accepted request ends: with a finished output, an aborted one, a
+`RequestError` (the engine failed it, e.g. its adapter could not be loaded) or
+an `EngineDeadError` (the step loop crashed or the engine was closed; the
+engine is then unhealthy and every pending stream and command gets the error).
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import itertools
+import queue
+import threading
+from typing import Any, AsyncIterator, Callable
+
+from workers.config import EngineConfig, SamplingParams
+from workers.engine import LLMEngine, Prompt
+from workers.sequence import RequestOutput
+
+BUSY_WAIT_S = 0.001   # pause when work exists but nothing could run (an adapter is loading)
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop is gone (it crashed or the engine was closed)."""
+
+
+class RequestError(RuntimeError):
+    """The engine ended this request with an error (its message says why)."""
+
+
+class _Stream:
+    """Latest output of one request, handed from the step thread to the caller's event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.latest: RequestOutput | BaseException | None = None
+        self.ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Runs on the event loop. An error or a finished output is final: nothing replaces it."""
+        done = isinstance(self.latest, BaseException) or (self.latest is not None and self.latest.finished)
+        if not done:
+            self.latest = item
+            self.ready.set()
+
+    def finish_aborted(self, request_id: str) -> None:
+        """Runs on the event loop: end the stream with its last output, marked aborted."""
+        last = self.latest
+        if not isinstance(last, RequestOutput):
+            last = RequestOutput(request_id, [], [], "", [], None)
+        self.put(dataclasses.replace(last, finish_reason="abort"))
+
+    def call_threadsafe(self, fn: Callable, *args) -> None:
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:   # the caller's loop is closed: nobody is reading any more
+            pass
+
+    def put_threadsafe(self, item: RequestOutput | BaseException) -> None:
+        self.call_threadsafe(self.put, item)
+
+    async def get(self) -> RequestOutput:
+        await self.ready.wait()
+        self.ready.clear()
+        if isinstance(self.latest, BaseException):
+            raise self.latest
+        return self.latest
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._streams_lock = threading.Lock()
+        self._ids = itertools.count()
+        self._active: set[str] = set()   # added and not yet seen finished; step thread only
+        self._dead: EngineDeadError | None = None
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="llm-engine-step", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncLLMEngine:
+        return cls(LLMEngine(config))
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.runtime.max_model_len
+
+    async def with_tokenizer(self, fn: Callable[[Any], Any]) -> Any:
+        """`fn(tokenizer)` on the step thread: a HF fast tokenizer must not be used by two threads at once."""
+        return await self._call(fn, self.engine.tokenizer)
+
+    # ---- caller side (any event loop) ---------------------------------------------------------------
+    async def generate(self, prompt: Prompt, params: SamplingParams | None = None, adapter: str | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Cumulative outputs of one request; the last one is finished. Leaving early aborts it."""
+        request_id = request_id or f"async-{next(self._ids)}"
+        stream = _Stream(asyncio.get_running_loop())
+        with self._streams_lock:
+            if request_id in self._streams:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            self._streams[request_id] = stream   # before add_request, so no output can be missed
+        added = finished = False
+        try:
+            await self._call(self._add, prompt, params, adapter, request_id)
+            added = True
+            while not finished:
+                output = await stream.get()
+                finished = output.finished
+                if output.finish_reason == "error":
+                    raise RequestError(output.error or f"request {request_id!r} failed")
+                yield output
+        finally:
+            with self._streams_lock:
+                self._streams.pop(request_id, None)
+            if added and not finished and self._dead is None:
+                self._submit(self._drop, request_id)   # the reader left: free its KV and adapter
+
+    async def abort(self, request_id: str) -> None:
+        await self._call(self._abort, request_id)
+
+    async def load_adapter(self, name: str, source: str, pinned: bool = False) -> None:
+        await self._call(self.engine.load_adapter, name, source, pinned)
+
+    async def unload_adapter(self, name: str) -> None:
+        await self._call(self.engine.unload_adapter, name)
+
+    async def list_adapters(self) -> dict[str, str]:
+        return await self._call(self.engine.list_adapters)
+
+    async def stats(self) -> dict:
+        return await self._call(self.engine.stats)
+
+    @property
+    def error(self) -> EngineDeadError | None:
+        """Why the engine is dead; None while it runs."""
+        return self._dead
+
+    def is_healthy(self) -> bool:
+        """The step loop runs (cheap: no I/O, fine on an event loop)."""
+        return self._dead is None and self._thread.is_alive()
+
+    async def check_health(self) -> bool:
+        """The step loop runs and the engine's workers answer (a ping, off the event loop and off the step
+        thread: a step stuck in a collective must not hide a dead peer)."""
+        if not self.is_healthy():
+            return False
+        return await asyncio.to_thread(getattr(self.engine, "is_healthy", lambda: True))
+
+    def close(self) -> None:
+        """Stop the step loop; pending requests and commands get EngineDeadError."""
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+        self.engine.close()
+
+    async def _call(self, fn: Callable, *args) -> Any:
+        return await asyncio.wrap_future(self._submit(fn, *args))
+
+    def _submit(self, fn: Callable, *args) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if self._dead is not None:
+            future.set_exception(self._dead)
+            return future
+        self._commands.put((fn, args, future))
+        self._wake.set()
+        if self._dead is not None:   # died between the check and the put: the loop won't drain it
+            self._fail_commands(self._dead)
+        return future
+
+    # ---- step thread ------------------------------------------------------------------------------
+    def _run(self) -> None:
+        idle_steps = 0
+        try:
+            while not self._stopping:
+                self._run_commands()
+                # `_active` too: an error found while scheduling is reported by the step after it,
+                # when the engine may already say it has no unfinished work.
+                if not (self.engine.has_unfinished() or self._active):
+                    self._wake.wait()
+                    self._wake.clear()
+                    continue
+                outputs = self.engine.step()
+                self._publish(outputs)
+                # two empty steps with nothing unfinished: whatever is still active was lost
+                idle_steps = 0 if outputs or self.engine.has_unfinished() else idle_steps + 1
+                if idle_steps >= 2 and self._active:
+                    self._fail_lost()
+                if not outputs:
+                    self._wake.wait(BUSY_WAIT_S)
+                    self._wake.clear()
+            self._die(EngineDeadError("the engine was closed"))
+        except BaseException as exc:  # noqa: BLE001  (any crash must reach every waiting caller)
+            self._die(EngineDeadError(f"the engine step loop crashed: {exc!r}"), cause=exc)
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fn, args, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except Exception as exc:  # noqa: BLE001  (the caller's error, raised in the caller)
+                future.set_exception(exc)
+
+    def _add(self, prompt: Prompt, params: SamplingParams | None, adapter: str | None, request_id: str) -> None:
+        self.engine.add_request(prompt, params, adapter, request_id)
+        self._active.add(request_id)
+
+    def _drop(self, request_id: str) -> None:
+        self._active.discard(request_id)
+        self.engine.abort(request_id)
+
+    def _abort(self, request_id: str) -> None:
+        """An explicit abort also ends the stream, so its reader sees finish_reason 'abort'."""
+        self._drop(request_id)
+        with self._streams_lock:
+            stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.call_threadsafe(stream.finish_aborted, request_id)
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        self._active.difference_update(out.request_id for out in outputs if out.finished)
+        with self._streams_lock:
+            streams = [(self._streams.get(out.request_id), out) for out in outputs]
+        for stream, out in streams:
+            if stream is not None:
+                stream.put_threadsafe(out)
+
+    def _fail_lost(self) -> None:
+        """Safety net: the engine is idle yet these requests never ended; end them rather than hang."""
+        with self._streams_lock:
+            streams = [(rid, self._streams.get(rid)) for rid in self._active]
+        for rid, stream in streams:
+            if stream is not None:
+                stream.put_threadsafe(RequestError(f"request {rid!r} ended in the engine without an output"))
+        self._active.clear()
+
+    def _die(self, error: EngineDeadError, cause: BaseException | None = None) -> None:
+        error.__cause__ = cause
+        self._dead = error
+        self._fail_commands(error)
+        with self._streams_lock:
+            streams = list(self._streams.values())
+        for stream in streams:
+            stream.put_threadsafe(error)
+
+    def _fail_commands(self, error: BaseException) -> None:
+        while True:
+            try:
+                _, _, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if future.set_running_or_notify_cancel():
+                future.set_exception(error)
