@@ -28,7 +28,8 @@ def test_bad_request_then_next_request_works(engine, prompt, params, match):
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": -3}, "max_tokens"),
-    ({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"stop": [""]}, "stop"),
+    ({"temperature": -1.0}, "temperature"), ({"temperature": float("nan")}, "temperature"),
+    ({"top_p": 0.0}, "top_p"), ({"stop": [""]}, "stop"),
 ])
 def test_bad_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):

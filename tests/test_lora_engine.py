@@ -4,7 +4,7 @@ import threading
 import pytest
 
 from factories import PROMPTS, make_adapter
-from lora.errors import AdapterNotFoundError
+from lora.errors import AdapterError, AdapterNotFoundError
 from lora_fixtures import ALL7
 from workers import EngineConfig, LLMEngine, SamplingParams
 
@@ -127,3 +127,21 @@ def test_pinned_adapter_keeps_host_memory_and_slot(model, adapters):
         run(engine, names)
         assert engine.adapters.cache.is_resident("A") and engine.adapters.slot_of("A") == 0
     assert engine.stats()["lora"]["host_cache"]["evictions"] > 0
+
+
+def test_reloading_a_name_with_a_new_source(model, adapters, tmp_path):
+    engine = engine_with(model, {"A": adapters["A"]})
+    before = run(engine, ["A"])[0]
+    rid = engine.add_request(PROMPTS[0], GREEDY, adapter="A")
+    engine.step()
+    with pytest.raises(AdapterError, match="running request"):    # old weights still in use
+        engine.load_adapter("A", adapters["B"])
+    assert engine.list_adapters()["A"] == adapters["A"]
+    while engine.has_unfinished():
+        engine.step()
+    with pytest.raises(AdapterError):                              # invalid new source: old one kept
+        engine.load_adapter("A", str(tmp_path / "missing"))
+    assert engine.list_adapters()["A"] == adapters["A"] and run(engine, ["A"])[0] == before
+    engine.load_adapter("A", adapters["B"])                        # now it replaces, slot included
+    assert run(engine, ["A"])[0] == run(engine_with(model, {"B": adapters["B"]}), ["B"])[0] != before
+    assert rid

@@ -33,24 +33,32 @@ class AdapterManager:
 
     # ---- user operations -------------------------------------------------
     def load(self, name: str, source: str, pinned: bool = False) -> LoRAAdapter:
-        """Register and load now, so a bad adapter is refused at once with its reason."""
+        """Register and load now, so a bad adapter is refused at once with its reason.
+
+        A new source for a known name replaces it (refused while running requests use the old
+        weights); if the new source is invalid the old one stays registered.
+        """
         if not name or ":" in name:
             raise AdapterError(f"adapter name {name!r} must be non-empty and contain no ':'")
-        if pinned and len(self.pinned) + 1 >= self.max_loras_per_batch:
+        if pinned and name not in self.pinned and len(self.pinned) + 1 >= self.max_loras_per_batch:
             raise AdapterError(f"adapter {name!r}: pinning it would leave no free slot "
                                f"(max_loras_per_batch={self.max_loras_per_batch})")
-        if self.cache.is_registered(name):
-            if self.cache.registered()[name] == source:
-                return self.cache.load_now(name)
-            self.unload(name)
+        previous = self.cache.registered().get(name)
         self.cache.register(name, source, pinned=pinned)
+        if previous not in (None, source):
+            self.slots.remove(name)          # the slot holds the replaced weights
         try:
             adapter = self.cache.load_now(name)
         except Exception:
-            self.cache.unregister(name)
+            if previous not in (None, source):
+                self.cache.register(name, previous, pinned=name in self.pinned)
+            else:
+                self.cache.unregister(name)
             raise
         if pinned:
             self.pinned.add(name)
+        else:
+            self.pinned.discard(name)
         return adapter
 
     def unload(self, name: str) -> None:

@@ -1,6 +1,7 @@
 """The engine's configuration (frozen) and per-request sampling parameters."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 SUPPORTED_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
@@ -80,8 +81,8 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k is None or self.top_k < -1:

@@ -124,7 +124,7 @@ class LLMEngine:
             self.controller.finish(seq, "abort")
 
     def has_unfinished(self) -> bool:
-        return self.controller.has_work()
+        return self.controller.has_work() or bool(self.controller.errored)
 
     # ---- the step ----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
