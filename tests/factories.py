@@ -11,20 +11,6 @@ from pathlib import Path
 
 import torch
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-_CORPUS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "Ray Serve routes requests to replicas that hold LoRA adapters.",
-    "Tensor parallel shards split the attention heads across devices.",
-    "A paged KV cache stores keys and values in fixed-size blocks.",
-    "Hello world! How are you today? 0123456789",
-    "def main():\n    return sum(range(10))\n",
-] * 4
-
 PROMPTS = [
     "Hello",
     "The quick brown fox",
@@ -38,21 +24,9 @@ PROMPTS = [
 
 
 def make_tokenizer(path: Path, vocab_size: int = 384):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(_CORPUS, trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        bos_token=None, chat_template=CHAT_TEMPLATE)
-    fast.save_pretrained(path)
-    return fast
+    """The demo model's byte-level BPE (trained here, no download) with its chat template."""
+    from deployments.demo_model import train_tokenizer
+    return train_tokenizer(path, vocab_size)
 
 
 def model_config(arch: str, vocab_size: int, **overrides):
