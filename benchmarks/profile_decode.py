@@ -1,0 +1,115 @@
+"""Where a decode step's time goes: base GEMMs, attention, LoRA, sampling, the rest.
+
+    .venv/bin/python -m benchmarks.profile_decode      (about half a minute)
+
+Wraps the engine's hot functions with wall-clock accumulators (torch CPU ops are
+synchronous, so this is exact up to the wrapper's own ~1 us per call) and runs the
+same batch under three workloads. "base_linear" is every F.linear of the base layers
+(the LM head included); "other" is the rest of the step (norms, rope, activations,
+KV writes, input building, scheduling, detokenization).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from contextlib import contextmanager
+
+from benchmarks.checkpoint import build_adapters, build_checkpoint
+from benchmarks.common import (FULL, Sizes, machine_info, make_engine, make_prompts, run_requests, set_threads,
+                               sizes_dict, sizes_from_json, write_result)
+from benchmarks.throughput import adapter_name, workload_adapters
+
+PARTS = ("base_linear", "attention", "lora", "sampling")
+
+
+@contextmanager
+def timed_parts(totals: dict):
+    """Patch the hot functions to add their wall time to totals[part]; restored on exit."""
+    import torch.nn.functional as F
+
+    import workers.models.llama as llama
+    import workers.runner as runner
+    from lora.backends.torch_native import TorchNativeBackend
+
+    def wrap(fn, part):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                totals[part] += time.perf_counter() - start
+        return timed
+
+    patches = [(F, "linear", "base_linear"), (llama, "decode_attention", "attention"),
+               (TorchNativeBackend, "add_lora", "lora"), (TorchNativeBackend, "add_embedding_lora", "lora"),
+               (runner, "sample", "sampling")]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    try:
+        for owner, name, part in patches:
+            setattr(owner, name, wrap(getattr(owner, name), part))
+        yield totals
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+
+
+def run(sizes: Sizes = FULL, dtype: str = "bfloat16", workloads=("base", "one", "eight"), log=print) -> dict:
+    set_threads(sizes.threads)
+    engine = make_engine(build_checkpoint(dtype, sizes.shape), dtype, sizes)
+    for i, path in enumerate(build_adapters(8, sizes.shape, sizes.rank)):
+        engine.load_adapter(adapter_name(i), str(path))
+    prompts = make_prompts(sizes)[:sizes.batch]
+    run_requests(engine, prompts, workload_adapters("eight", sizes)[:sizes.batch], 2)   # warm-up
+    out = {}
+    for w in workloads:
+        adapters = workload_adapters(w, sizes)[:sizes.batch]
+        run_requests(engine, prompts, adapters, 2)            # slot loads for this workload, untimed
+        # Prefill excluded: one request per step would mix the two, so time decode steps only
+        # by running the batch to its end and subtracting the prefill step's parts.
+        totals = dict.fromkeys(PARTS, 0.0)
+        prefill = dict.fromkeys(PARTS, 0.0)
+        with timed_parts(totals):
+            timing = run_requests_split(engine, prompts, adapters, sizes.max_tokens, totals, prefill)
+        steps = timing.decode_steps
+        parts = {p: (totals[p] - prefill[p]) / steps * 1e3 for p in PARTS}
+        step_ms = timing.decode_s / steps * 1e3
+        parts["other"] = step_ms - sum(parts.values())
+        out[w] = {"decode_step_ms": step_ms, "parts_ms": parts, "decode_batch": timing.decode_tokens / steps}
+        log(f"[profile {dtype}] {w:>6}: {step_ms:6.1f} ms/step = " +
+            ", ".join(f"{p} {v:.1f}" for p, v in parts.items()))
+    engine.close()
+    return {"benchmark": "profile_decode", "dtype": dtype, "sizes": sizes_dict(sizes), "machine": machine_info(),
+            "workloads": out}
+
+
+def run_requests_split(engine, prompts, adapters, max_tokens, totals, prefill):
+    """run_requests, recording the parts' totals as they stood after the (single) prefill step."""
+    state = {"done": False}
+    original = engine.step
+
+    def step():
+        outputs = original()
+        if not state["done"] and outputs:
+            prefill.update(totals)
+            state["done"] = True
+        return outputs
+
+    engine.step = step
+    try:
+        return run_requests(engine, prompts, adapters, max_tokens)
+    finally:
+        del engine.step
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--sizes", default=None, help="JSON overrides of benchmarks.common.Sizes")
+    args = parser.parse_args(argv)
+    data = run(sizes_from_json(args.sizes), args.dtype)
+    print(write_result(f"profile_decode_{args.dtype}", data))
+    return data
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""Serving over HTTP: open-loop arrivals against the OpenAI API of `deployments.app.build_app`.
+
+    .venv/bin/python -m benchmarks.serving [--rate 2] [--cv 1] [--requests 60] [--adapters 64]
+
+S-LoRA's workload generator (fixed seed): adapter = floor(power(alpha) * n), prompt and
+output lengths uniform in their ranges, inter-arrival times Gamma(1/cv^2, cv^2/rate)
+(cv = 1 is Poisson), a bounded number of requests. Each request is a streamed
+/v1/completions call with a token-id prompt, greedy, ignore_eos. Reports TTFT (first
+streamed token) and TPOT ((last - first) / (tokens - 1)) p50 / p99, output tokens/s
+over the whole run, and failures. Ray, Serve and HTTP stay on 127.0.0.1.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, replace
+
+from benchmarks.checkpoint import ALL7, build_adapters, build_checkpoint
+from benchmarks.common import FULL, Sizes, machine_info, sizes_dict, write_result
+from benchmarks.hotload import percentile
+
+
+@dataclass(frozen=True)
+class ServingLoad:
+    rate: float = 2.0                    # requests/s
+    cv: float = 1.0                      # coefficient of variation of inter-arrival times
+    num_requests: int = 60
+    num_adapters: int = 64
+    alpha: float = 0.3
+    input_range: tuple[int, int] = (16, 48)
+    output_range: tuple[int, int] = (16, 48)
+    base_fraction: float = 0.0           # share of requests for the base model
+    seed: int = 42
+
+
+def make_requests(load: ServingLoad, vocab_size: int) -> list[dict]:
+    """S-LoRA's generator: (arrival time, adapter index or None, prompt ids, output length) per request."""
+    import numpy as np
+
+    rng = np.random.default_rng(load.seed)
+    n = load.num_requests
+    adapters = np.minimum((rng.power(load.alpha, n) * load.num_adapters).astype(int), load.num_adapters - 1)
+    base = rng.random(n) < load.base_fraction
+    inputs = rng.integers(load.input_range[0], load.input_range[1], n)
+    outputs = rng.integers(load.output_range[0], load.output_range[1], n)
+    gaps = rng.gamma(1 / load.cv ** 2, load.cv ** 2 / load.rate, n)
+    arrivals = np.cumsum(gaps)
+    return [{"arrival": float(arrivals[i]), "adapter": None if base[i] else int(adapters[i]),
+             "prompt": rng.integers(2, vocab_size, int(inputs[i])).tolist(), "max_tokens": int(outputs[i])}
+            for i in range(n)]
+
+
+async def one_request(session, url: str, model: str, request: dict, start: float) -> dict:
+    """Stream one completion; times measured from the request's scheduled arrival."""
+    await asyncio.sleep(max(0.0, start + request["arrival"] - time.perf_counter()))
+    sent = time.perf_counter()
+    body = {"model": model, "prompt": request["prompt"], "max_tokens": request["max_tokens"], "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    result = {"ok": False, "tokens": 0, "ttft_s": None, "tpot_s": None, "error": None}
+    first = last = None
+    try:
+        async with session.post(f"{url}/v1/completions", json=body) as response:
+            if response.status != 200:
+                result["error"] = f"HTTP {response.status}: {(await response.text())[:200]}"
+                return result
+            async for raw in response.content:
+                line = raw.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[5:])
+                if "error" in event:
+                    result["error"] = str(event["error"])[:200]
+                    return result
+                if event.get("choices") and event["choices"][0].get("text"):
+                    now = time.perf_counter()
+                    first = first or now
+                    last = now
+                if event.get("usage"):
+                    result["tokens"] = event["usage"]["completion_tokens"]
+    except Exception as exc:  # noqa: BLE001  (a failed request is counted, not raised)
+        result["error"] = f"{type(exc).__name__}: {exc}"[:200]
+        return result
+    if first is None:
+        result["error"] = "no tokens streamed"
+        return result
+    result.update(ok=True, ttft_s=first - sent, end_s=last - start,
+                  tpot_s=(last - first) / (result["tokens"] - 1) if result["tokens"] > 1 else None)
+    return result
+
+
+def model_name(base_model: str, adapter: int | None) -> str:
+    return base_model if adapter is None else f"{base_model}:lora-{adapter:04d}"
+
+
+async def drive(url: str, base_model: str, requests: list[dict]) -> tuple[list[dict], float]:
+    import aiohttp
+
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=300)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        start = time.perf_counter()
+        tasks = [one_request(session, url, model_name(base_model, r["adapter"]), r, start) for r in requests]
+        results = await asyncio.gather(*tasks)
+        return results, time.perf_counter() - start
+
+
+def run(sizes: Sizes = FULL, load: ServingLoad = ServingLoad(), dtype: str = "bfloat16", log=print) -> dict:
+    from workers.ray_utils import free_port, init_local_ray
+
+    model_dir = build_checkpoint(dtype, sizes.shape)
+    paths = build_adapters(load.num_adapters, sizes.shape, sizes.rank)
+    temp_dir = tempfile.mkdtemp(prefix="lsb-", dir="/tmp")   # short: Ray's socket paths have a length limit
+    init_local_ray(temp_dir, num_cpus=max(2, os.cpu_count() or 2))
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+    from deployments.config import LLMConfig
+
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        config = LLMConfig(
+            model=str(model_dir), served_model_name="bench", device="cpu", dtype=dtype, num_replicas=1,
+            adapters={f"lora-{i:04d}": str(p) for i, p in enumerate(paths)},
+            max_num_seqs=sizes.batch, max_loras_per_batch=sizes.max_loras_per_batch,
+            max_loaded_loras=sizes.max_loaded_loras, max_lora_rank=sizes.rank,
+            max_model_len=load.input_range[1] + load.output_range[1] + 16,
+            max_ongoing_requests=max(64, load.num_requests),
+            engine_kwargs={"lora_target_modules": ALL7, "kv_cache_memory_gb": 1.0})
+        started = time.perf_counter()
+        serve.run(build_app(config), name="bench", route_prefix="/", blocking=False)
+        url = f"http://127.0.0.1:{port}"
+        log(f"[serving] deployed in {time.perf_counter() - started:.0f} s; {load.num_requests} requests at "
+            f"{load.rate}/s")
+        requests = make_requests(load, sizes.shape.vocab_size)
+        warm = [replace_arrival(r, 0.0) for r in requests[:2]]
+        asyncio.run(drive(url, "bench", warm))                   # first-call costs stay out of the timings
+        results, wall = asyncio.run(drive(url, "bench", requests))
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+            shutil.rmtree(temp_dir, ignore_errors=True)
+    ok = [r for r in results if r["ok"]]
+    ttft = [r["ttft_s"] * 1e3 for r in ok]
+    tpot = [r["tpot_s"] * 1e3 for r in ok if r["tpot_s"] is not None]
+    tokens = sum(r["tokens"] for r in ok)
+    def p50_p99(values):
+        return {"p50": percentile(values, 50), "p99": percentile(values, 99)} if values else {"p50": None, "p99": None}
+
+    summary = {"ttft_ms": p50_p99(ttft), "tpot_ms": p50_p99(tpot),
+               "output_tok_s": tokens / wall, "wall_s": wall, "failed": len(results) - len(ok),
+               "errors": sorted({r["error"] for r in results if r["error"]})[:5]}
+    log(f"[serving] TTFT p50 {summary['ttft_ms']['p50']} ms, TPOT p50 {summary['tpot_ms']['p50']} ms, "
+        f"{summary['output_tok_s']:.1f} tok/s, {summary['failed']} failed")
+    return {"benchmark": "serving", "dtype": dtype, "sizes": sizes_dict(sizes), "machine": machine_info(),
+            "rate": load.rate, "cv": load.cv, "num_requests": load.num_requests, "num_adapters": load.num_adapters,
+            "alpha": load.alpha, "input_range": list(load.input_range), "output_range": list(load.output_range),
+            "summary": summary}
+
+
+def replace_arrival(request: dict, arrival: float) -> dict:
+    return dict(request, arrival=arrival)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    defaults = ServingLoad()
+    parser.add_argument("--rate", type=float, default=defaults.rate)
+    parser.add_argument("--cv", type=float, default=defaults.cv)
+    parser.add_argument("--requests", type=int, default=defaults.num_requests)
+    parser.add_argument("--adapters", type=int, default=defaults.num_adapters)
+    parser.add_argument("--alpha", type=float, default=defaults.alpha)
+    args = parser.parse_args(argv)
+    load = replace(defaults, rate=args.rate, cv=args.cv, num_requests=args.requests, num_adapters=args.adapters,
+                   alpha=args.alpha)
+    data = run(FULL, load)
+    print(write_result("serving_bfloat16", data))
+    return data
+
+
+if __name__ == "__main__":
+    main()

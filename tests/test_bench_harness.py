@@ -1,0 +1,48 @@
+"""The benchmark harness end to end on a tiny model, so `make bench` cannot rot (seconds, no timing asserted)."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+pytest.importorskip("peft")   # the peer benchmark runs HF + PEFT
+
+
+@pytest.fixture
+def bench_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("LORASERVE_BENCH_CACHE", str(tmp_path / "cache"))
+    return tmp_path
+
+
+def test_run_all_writes_results_table_and_plots(bench_cache):
+    from benchmarks.common import TINY_SIZES
+    from benchmarks.run_all import run_all
+
+    results = bench_cache / "results"
+    out = run_all(replace(TINY_SIZES, threads=1), results=results, out=bench_cache / "RESULTS.md",
+                  log=lambda *_: None)
+
+    names = {p.name for p in results.glob("*.json")}
+    assert {"throughput_bfloat16.json", "throughput_float32.json", "peer_bfloat16.json", "bandwidth_bfloat16.json",
+            "profile_decode_bfloat16.json", "hotload_bfloat16.json", "run_all.json"} <= names
+    throughput = json.loads((results / "throughput_bfloat16.json").read_text())
+    workloads = throughput["workloads"]
+    assert set(workloads) == {"base", "one", "eight", "power_some", "power_many", "power_many_wide"}
+    assert workloads["base"]["ratio_to_base"] == 1.0
+    assert all(w["output_tok_s"] > 0 for w in workloads.values())
+    # the paging workloads really paged: adapters loaded from disk and into slots during the runs
+    deltas = [r["power_many"]["lora_stats_delta"] for r in throughput["rounds"]]
+    assert sum(d["host_cache_loads"] for d in deltas) > 0 and sum(d["slots_misses"] for d in deltas) > 0
+    peer = json.loads((results / "peer_bfloat16.json").read_text())
+    assert peer["ours_over_peft_mixed"] > 0
+    hot = json.loads((results / "hotload_bfloat16.json").read_text())
+    assert hot["latency"]["total"]["p99_ms"] >= hot["latency"]["total"]["p50_ms"] > 0
+
+    table = out["report"].read_text()
+    assert "## Targets" in table and "8 distinct adapters" in table and "HF+PEFT" in table
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return   # plotting is optional: the bench extra installs matplotlib
+    assert (results / "throughput.png").stat().st_size > 0 and "![throughput.png]" in table
