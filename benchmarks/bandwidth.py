@@ -13,7 +13,6 @@ step stops being bound by bytes and starts being bound by the GEMMs' arithmetic.
 """
 from __future__ import annotations
 
-import argparse
 import time
 
 from benchmarks.checkpoint import ModelShape
@@ -142,15 +141,8 @@ def run(sizes=None, dtype: str = "bfloat16", log=print) -> dict:
 
 
 def main(argv=None) -> dict:
-    from benchmarks.common import sizes_from_json, write_result
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--sizes", default=None, help="JSON overrides of benchmarks.common.Sizes")
-    args = parser.parse_args(argv)
-    data = run(sizes_from_json(args.sizes), args.dtype)
-    print(write_result(f"bandwidth_{args.dtype}", data))
-    return data
+    from benchmarks.common import bench_main
+    return bench_main("bandwidth", __doc__, run, argv)
 
 
 if __name__ == "__main__":

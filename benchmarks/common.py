@@ -192,3 +192,16 @@ def sizes_dict(sizes: Sizes) -> dict:
     data = asdict(sizes)
     data["shape"] = asdict(sizes.shape)
     return data
+
+
+def bench_main(name: str, doc: str, run, argv=None) -> dict:
+    """The command line every single benchmark shares: --dtype, --sizes; writes results/<name>_<dtype>.json."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--sizes", default=None, help="JSON overrides of benchmarks.common.Sizes")
+    args = parser.parse_args(argv)
+    data = run(sizes_from_json(args.sizes), args.dtype)
+    print(write_result(f"{name}_{args.dtype}", data))
+    return data

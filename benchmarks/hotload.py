@@ -10,13 +10,11 @@ likely in the OS page cache: "disk" here is a warm-cache read.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import time
 
 from benchmarks.checkpoint import ALL7, DTYPES, build_adapters, build_checkpoint
-from benchmarks.common import (FULL, Sizes, machine_info, set_threads, sizes_dict, sizes_from_json,
-                               write_result)
+from benchmarks.common import (FULL, Sizes, bench_main, machine_info, set_threads, sizes_dict)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -69,13 +67,7 @@ def run(sizes: Sizes = FULL, dtype: str = "bfloat16", log=print) -> dict:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--sizes", default=None, help="JSON overrides of benchmarks.common.Sizes")
-    args = parser.parse_args(argv)
-    data = run(sizes_from_json(args.sizes), args.dtype)
-    print(write_result(f"hotload_{args.dtype}", data))
-    return data
+    return bench_main("hotload", __doc__, run, argv)
 
 
 if __name__ == "__main__":

@@ -10,14 +10,13 @@ and every ratio is taken within one round; medians over rounds are reported.
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import time
 from dataclasses import replace
 
 from benchmarks.checkpoint import DTYPES, build_adapters, build_checkpoint
-from benchmarks.common import (FULL, Sizes, machine_info, make_engine, make_prompts, median, run_requests,
-                               set_threads, sizes_dict, sizes_from_json, write_result)
+from benchmarks.common import (FULL, Sizes, bench_main, machine_info, make_engine, make_prompts, median,
+                               run_requests, set_threads, sizes_dict)
 from benchmarks.throughput import adapter_name, workload_adapters
 
 PEFT_BASE = "__base__"   # PEFT's name for "no adapter" in adapter_names
@@ -114,13 +113,7 @@ def run(sizes: Sizes = FULL, dtype: str = "bfloat16", rounds: int | None = None,
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--sizes", default=None, help="JSON overrides of benchmarks.common.Sizes")
-    args = parser.parse_args(argv)
-    data = run(sizes_from_json(args.sizes), args.dtype)
-    print(write_result(f"peer_{args.dtype}", data))
-    return data
+    return bench_main("peer", __doc__, run, argv)
 
 
 if __name__ == "__main__":

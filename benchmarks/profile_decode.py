@@ -10,13 +10,12 @@ KV writes, input building, scheduling, detokenization).
 """
 from __future__ import annotations
 
-import argparse
 import time
 from contextlib import contextmanager
 
 from benchmarks.checkpoint import build_adapters, build_checkpoint
-from benchmarks.common import (FULL, Sizes, machine_info, make_engine, make_prompts, run_requests, set_threads,
-                               sizes_dict, sizes_from_json, write_result)
+from benchmarks.common import (FULL, Sizes, bench_main, machine_info, make_engine, make_prompts,
+                               run_requests, set_threads, sizes_dict)
 from benchmarks.throughput import adapter_name, workload_adapters
 
 PARTS = ("base_linear", "attention", "lora", "sampling")
@@ -102,13 +101,7 @@ def run_requests_split(engine, prompts, adapters, max_tokens, totals, prefill):
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--sizes", default=None, help="JSON overrides of benchmarks.common.Sizes")
-    args = parser.parse_args(argv)
-    data = run(sizes_from_json(args.sizes), args.dtype)
-    print(write_result(f"profile_decode_{args.dtype}", data))
-    return data
+    return bench_main("profile_decode", __doc__, run, argv)
 
 
 if __name__ == "__main__":
