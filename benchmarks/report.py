@@ -8,10 +8,9 @@ import argparse
 import json
 from pathlib import Path
 
-from benchmarks.common import RESULTS, median
-
-TARGETS = {"one": 0.95, "eight": 0.85, "eight_byte_points": 0.05, "many_vs_eight": 0.90, "peft": 3.0,
-           "bound_fraction": 0.50}
+from benchmarks.common import RESULTS, TARGETS
+from benchmarks.analysis import analysis
+from benchmarks.plots import plot
 
 
 def load(results: Path) -> dict:
@@ -203,74 +202,6 @@ def serving_section(d: dict) -> str:
         ""])
 
 
-def analysis(data: dict) -> list[str]:
-    """Where the time goes, in numbers from this run (every paragraph skipped when its data is absent)."""
-    out = ["## Where the time goes", ""]
-    prof = data.get("profile_decode_bfloat16", {}).get("workloads", {})
-    if "base" in prof:
-        base = prof["base"]
-        p = base["parts_ms"]
-        step = base["decode_step_ms"]
-        out.append(f"- **Base decode** (batch {base['decode_batch']:.0f}): {step:.1f} ms per step, of which the "
-                   f"base GEMMs take {p['base_linear']:.1f} ms ({p['base_linear'] / step:.0%}), "
-                   f"paged attention {p['attention']:.1f} ms, sampling {p['sampling']:.1f} ms and the rest (norms, "
-                   f"rope, activations, KV writes, scheduling, detokenization) {p['other']:.1f} ms.")
-        lora = [f"{name} {prof[w]['parts_ms']['lora']:.1f} ms ({prof[w]['parts_ms']['lora'] / step:.0%} of the base "
-                f"step; the whole step grows by {prof[w]['decode_step_ms'] - step:.1f} ms)"
-                for w, name in (("one", "one adapter"), ("eight", "eight adapters")) if w in prof]
-        if lora:
-            out.append("- **LoRA per decode step**: " + ", ".join(lora) + ". That is one shrink and 1-3 expand "
-                       "GEMMs per projection group and layer (88 a step), each a few MFLOP with an inner "
-                       "dimension of 16: on CPU each costs tens of microseconds, while one adapter's FLOPs and "
-                       "bytes are under 2% of the base model's. Closing the gap needs fewer, fused LoRA ops "
-                       "(a shrink-expand kernel, or the delta added inside the base GEMM), not fewer bytes.")
-    bw = data.get("bandwidth_bfloat16", {}).get("decode_sweep", {}).get("batches", {})
-    if bw:
-        sweep = ", ".join(f"batch {b}: {x['fraction_of_bound']:.0%}" for b, x in bw.items())
-        ceilings = ", ".join(f"batch {b}: {x['ceiling_fraction_of_bound']:.0%}" for b, x in bw.items()
-                             if "ceiling_fraction_of_bound" in x)
-        largest = bw[max(bw, key=int)]
-        ceiling = largest.get("ceiling_fraction_of_bound", 1.0)
-        verdict = (f"so {TARGETS['bound_fraction']:.0%} of the bound at batch {max(bw, key=int)} is out of reach on "
-                   "this CPU whatever the engine does" if ceiling < TARGETS["bound_fraction"] else
-                   "so the CPU's arithmetic leaves room: the gap is the engine's")
-        out.append(f"- **Bandwidth bound**: base decode reaches {sweep} of its memory-bandwidth bound. "
-                   f"The base GEMMs alone, at their measured rate here, allow at most {ceilings}: past a few "
-                   "sequences a CPU decode step is bound by arithmetic (each weight byte feeds one multiply-add "
-                   f"per sequence), not by bytes, {verdict}. The rest of the gap to the ceiling is paged "
-                   "attention, norms / rope / activations and per-step host work (see the profile).")
-    tp = data.get("throughput_bfloat16", {}).get("workloads", {})
-    for w in ("power_some", "power_many"):
-        if w in tp and "eight" in tp:
-            x = tp[w]
-            budget = data["throughput_bfloat16"]["sizes"]["max_loras_per_batch"]
-            loads = [r[w]["lora_stats_delta"] for r in data["throughput_bfloat16"]["rounds"]]
-            host = median([d.get("host_cache_loads", 0) for d in loads])
-            slots = median([d.get("slots_misses", 0) for d in loads])
-            out.append(f"- **{x['label']}**: mean decode batch {x['mean_decode_batch']:.1f} against "
-                       f"{tp['eight']['mean_decode_batch']:.0f} for 8 resident adapters ({x['decode_step_ms']:.0f} "
-                       f"against {tp['eight']['decode_step_ms']:.0f} ms per decode step), "
-                       f"{x['mean_adapters_per_decode_step']:.1f} adapters per step, {host:.0f} adapter loads from "
-                       f"disk and {slots:.0f} slot loads per run. max_loras_per_batch = {budget} admits the "
-                       f"requests of only {budget} adapters at a time, and with a power-law spread most "
-                       "adapters have one or two requests: the batch shrinks to what the LoRA budget lets in.")
-    if "power_many_wide" in tp and "eight" in tp:
-        x = tp["power_many_wide"]
-        out.append(f"- **{x['label']}**: the LoRA budget no longer limits the batch (mean decode batch "
-                   f"{x['mean_decode_batch']:.1f}, {x['mean_adapters_per_decode_step']:.1f} adapters per step); "
-                   f"{x.get('ratio_to_eight', float('nan')):.2f} of 8 resident adapters. What remains is paging "
-                   "(adapter loads from disk on a background thread, slot copies) and the padded batched LoRA "
-                   "over more, mostly single-token, adapters per step.")
-    peer = data.get("peer_bfloat16")
-    if peer:
-        out.append(f"- **PEFT**: keeps {peer['peft_lora_retention']:.2f} of its own base throughput with mixed "
-                   f"adapters (ours {peer['ours_lora_retention']:.2f}); on base alone we are "
-                   f"{peer['ours_over_peft_base']:.1f}x faster (paged KV and continuous batching against HF's "
-                   "generate loop), with mixed adapters "
-                   f"{peer['ours_over_peft_mixed']:.1f}x.")
-    return out + [""] if len(out) > 2 else []
-
-
 def render(data: dict, note: str = "", results: Path = RESULTS) -> str:
     parts = ["# Benchmark results", "",
              "Generated by `make bench` (`python -m benchmarks.run_all`) from `benchmarks/results/*.json`; "
@@ -306,84 +237,6 @@ def render(data: dict, note: str = "", results: Path = RESULTS) -> str:
 
 
 PLOTS = ("throughput.png", "peer.png", "roofline.png", "profile.png", "hotload.png")
-
-
-def plot(data: dict, out_dir: Path) -> list[Path]:
-    """PNG plots; returns the files written (none when matplotlib is missing)."""
-    try:
-        import matplotlib
-    except ImportError:
-        return []
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    written = []
-
-    def save(fig, name):
-        path = out_dir / name
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
-
-    tps = [(k, v) for k, v in data.items() if k.startswith("throughput_")]
-    if tps:
-        fig, axes = plt.subplots(1, len(tps), figsize=(6 * len(tps), 4), squeeze=False)
-        for ax, (name, d) in zip(axes[0], tps):
-            rows = d["workloads"]
-            labels = [w for w in rows]
-            values = [rows[w]["output_tok_s"] for w in labels]
-            bars = ax.bar(labels, values, color="#4477aa")
-            for bar, w in zip(bars, labels):
-                ax.annotate(f"{rows[w]['ratio_to_base']:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                            ha="center", va="bottom", fontsize=8)
-            ax.set_title(f"output tokens/s by workload ({d['dtype']})")
-            ax.set_ylabel("tokens/s")
-            ax.tick_params(axis="x", labelrotation=20)
-        save(fig, "throughput.png")
-    if "peer_bfloat16" in data:
-        t = data["peer_bfloat16"]["output_tok_s"]
-        fig, ax = plt.subplots(figsize=(5, 4))
-        xs = range(2)
-        ax.bar([x - 0.2 for x in xs], [t["ours_eight"], t["ours_base"]], 0.4, label="loraserve")
-        ax.bar([x + 0.2 for x in xs], [t["peft_eight"], t["peft_base"]], 0.4, label="HF + PEFT")
-        ax.set_xticks(list(xs), ["8 adapters mixed", "base"])
-        ax.set_ylabel("output tokens/s")
-        ax.legend()
-        save(fig, "peer.png")
-    if "bandwidth_bfloat16" in data:
-        sweep = data["bandwidth_bfloat16"]["decode_sweep"]["batches"]
-        batches = [int(b) for b in sweep]
-        fig, ax = plt.subplots(figsize=(5, 4))
-        ax.plot(batches, [sweep[str(b)]["bound_tok_s"] for b in batches], "o--", label="bandwidth bound")
-        if all("gemm_ceiling_tok_s" in sweep[str(b)] for b in batches):
-            ax.plot(batches, [sweep[str(b)]["gemm_ceiling_tok_s"] for b in batches], "s:", label="base GEMMs only")
-        ax.plot(batches, [sweep[str(b)]["decode_tok_s"] for b in batches], "o-", label="measured (base)")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("batch")
-        ax.set_ylabel("decode tokens/s")
-        ax.legend()
-        save(fig, "roofline.png")
-    if "profile_decode_bfloat16" in data:
-        rows = data["profile_decode_bfloat16"]["workloads"]
-        fig, ax = plt.subplots(figsize=(5, 4))
-        bottom = [0.0] * len(rows)
-        for part in ("base_linear", "attention", "lora", "sampling", "other"):
-            values = [rows[w]["parts_ms"][part] for w in rows]
-            ax.bar(list(rows), values, bottom=bottom, label=part)
-            bottom = [b + v for b, v in zip(bottom, values)]
-        ax.set_ylabel("ms per decode step")
-        ax.legend(fontsize=8)
-        save(fig, "profile.png")
-    if "hotload_bfloat16" in data:
-        raw = data["hotload_bfloat16"]["raw_ms"]
-        fig, ax = plt.subplots(figsize=(5, 4))
-        ax.hist([raw["disk_to_host"], raw["host_to_slot"]], bins=20, label=["disk -> host", "host -> slot"])
-        ax.set_xlabel("ms")
-        ax.legend()
-        save(fig, "hotload.png")
-    return written
 
 
 def main(argv=None) -> Path:
