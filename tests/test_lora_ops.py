@@ -17,7 +17,19 @@ from lora_reference import (POPULARITY, assign_slots, make_embedding_buffers, ma
 
 SHAPES = {"prefill": [1, 40, 7, 23, 2, 15], "decode": [1] * 16}
 STACKS = {"single": (48,), "qkv": (32, 16, 16), "gate_up": (40, 40)}
-PATHS = {"control": False, "graph": True}
+PATHS = {"control": False, "control-loop": False, "graph": True}
+
+
+@pytest.fixture(autouse=True)
+def path_mode(request, monkeypatch):
+    """"control-loop" forces the per-adapter loop that the batched (padded) control path replaces."""
+    from lora.backends import torch_native
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is not None and callspec.params.get("path") == "control-loop":
+        monkeypatch.setattr(torch_native, "BATCHED_MAX_TOKENS_PER_ADAPTER", 0)
+    torch_native.padded_layout.cache_clear()     # layouts are cached per batch shape
+    yield
+    torch_native.padded_layout.cache_clear()
 
 
 @pytest.mark.parametrize("path", PATHS)
