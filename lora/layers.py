@@ -39,10 +39,14 @@ class _LoRALayer(nn.Module):
 class ColumnParallelLoRA(_LoRALayer):
     """y_local = base(x) + x @ A.T @ B_local.T, per stacked slice (A replicated, B sharded)."""
 
+    def __init__(self, base: nn.Module, a: torch.Tensor, b: tuple[torch.Tensor, ...], backend):
+        super().__init__(base, a, b, backend)
+        self.offsets = tuple(base.out_offsets)   # fixed per layer: computed once, not every step
+
     def forward(self, x: torch.Tensor, lora: LoRABatchInfo | None = None) -> torch.Tensor:
         y = self.base(x)
         if _active(lora):
-            self.backend.add_lora(y, x, self.lora_a, self.lora_b, tuple(self.base.out_offsets), lora)
+            self.backend.add_lora(y, x, self.lora_a, self.lora_b, self.offsets, lora)
         return y
 
 

@@ -123,11 +123,16 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> tuple[list[int], list[float]]:
         for slot, name, source in plan.lora_loads:
             self.slot_pool.load(slot, self.get_adapter(name, source))
-        logits = self._prefill(plan) if plan.is_prefill else self.graph_runner.decode(plan, self._lora_info(plan))
+        logits = self._prefill(plan) if plan.is_prefill else self._decode(plan)
         tensors = SamplingTensors.from_lists(plan.temperatures, plan.top_ks, plan.top_ps, plan.seeds, plan.steps,
                                              self.vocab_size, self.device)
         tokens, logprobs = sample(logits, tensors)
         return tokens.tolist(), logprobs.tolist()
+
+    def _decode(self, plan: StepPlan) -> torch.Tensor:
+        # The graph-safe path reads its own static slot buffer; only the eager path needs host segments.
+        host_lora = None if self.graph_runner.graph_safe else self._lora_info(plan)
+        return self.graph_runner.decode(plan, host_lora)
 
     def _lora_info(self, plan: StepPlan, token_slots: list[int] | None = None):
         if self.slot_pool is None:
