@@ -17,32 +17,45 @@ from lora_reference import (POPULARITY, assign_slots, make_embedding_buffers, ma
 
 SHAPES = {"prefill": [1, 40, 7, 23, 2, 15], "decode": [1] * 16}
 STACKS = {"single": (48,), "qkv": (32, 16, 16), "gate_up": (40, 40)}
-PATHS = {"control": False, "control-loop": False, "graph": True}
+PATHS = {"kernel": False, "control": False, "control-loop": False, "graph": True}
 
 
 @pytest.fixture(autouse=True)
 def path_mode(request, monkeypatch):
-    """"control-loop" forces the per-adapter loop that the batched (padded) control path replaces."""
-    from lora.backends import torch_native
+    """Control-flow paths: "kernel" is the CPU kernel (lora/backends/cpu_sgmv.c), which must run;
+    "control" the torch ops (batched, padded); "control-loop" the per-adapter loop those replace."""
+    from lora.backends import cpu_sgmv, torch_native
     callspec = getattr(request.node, "callspec", None)
-    if callspec is not None and callspec.params.get("path") == "control-loop":
+    path = callspec.params.get("path") if callspec is not None else None
+    calls = []
+    if path == "kernel":
+        assert cpu_sgmv.available(), "the CPU LoRA kernel did not build (needs a C compiler)"
+        original = cpu_sgmv.sgmv_add
+        monkeypatch.setattr(cpu_sgmv, "sgmv_add", lambda *args: calls.append(1) or original(*args))
+        monkeypatch.setattr(cpu_sgmv, "KERNEL_MAX_MEAN_TOKENS", 10**6)   # long runs too
+    elif path in ("control", "control-loop"):
+        monkeypatch.setattr(cpu_sgmv, "available", lambda: False)
+    if path == "control-loop":
         monkeypatch.setattr(torch_native, "BATCHED_MAX_TOKENS_PER_ADAPTER", 0)
     torch_native.padded_layout.cache_clear()     # layouts are cached per batch shape
-    yield
+    cpu_sgmv.plan_groups.cache_clear()
+    yield calls
     torch_native.padded_layout.cache_clear()
+    cpu_sgmv.plan_groups.cache_clear()
 
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("stack", STACKS)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("pattern", POPULARITY)
-def test_add_lora_matches_reference(pattern, shape, stack, path):
+def test_add_lora_matches_reference(pattern, shape, stack, path, path_mode):
     case = make_lora_case(pattern, SHAPES[shape], STACKS[stack], seed=sum(map(ord, pattern + shape + stack)))
     info = make_batch_info(case.token_slots, case.ranks, case.max_rank, use_graph=PATHS[path])
     expected = ref_add_lora(case.y.clone(), case.x, case.a, case.b, case.offsets, case.token_slots)
     y = case.y.clone()
     TorchNativeBackend().add_lora(y, case.x, case.a, case.b, case.offsets, info)
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+    assert (path != "kernel") or path_mode, "the kernel path did not run the kernel"
 
 
 @pytest.mark.parametrize("path", PATHS)
