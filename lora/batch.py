@@ -36,6 +36,17 @@ class LoRABatchInfo:
         return any(s >= 0 for s in self.seg_slots_host)
 
 
+def token_runs(seg_lens: tuple[int, ...], seg_slots: tuple[int, ...]) -> dict[int, list[tuple[int, int]]]:
+    """slot -> its runs of token rows [lo, hi), base (-1) and empty segments left out."""
+    spans: dict[int, list[tuple[int, int]]] = {}
+    start = 0
+    for length, slot in zip(seg_lens, seg_slots):
+        if slot >= 0 and length > 0:
+            spans.setdefault(slot, []).append((start, start + length))
+        start += length
+    return spans
+
+
 def segments(token_slots: list[int]) -> tuple[list[int], list[int]]:
     """Runs of equal consecutive slots: ([lens], [slots])."""
     lens: list[int] = []

@@ -24,7 +24,7 @@ PATHS = {"kernel": False, "control": False, "control-loop": False, "graph": True
 def path_mode(request, monkeypatch):
     """Control-flow paths: "kernel" is the CPU kernel (lora/backends/cpu_sgmv.c), which must run;
     "control" the torch ops (batched, padded); "control-loop" the per-adapter loop those replace."""
-    from lora.backends import cpu_sgmv, torch_native
+    from lora.backends import cpu_sgmv, torch_batched
     callspec = getattr(request.node, "callspec", None)
     path = callspec.params.get("path") if callspec is not None else None
     calls = []
@@ -36,11 +36,11 @@ def path_mode(request, monkeypatch):
     elif path in ("control", "control-loop"):
         monkeypatch.setattr(cpu_sgmv, "available", lambda: False)
     if path == "control-loop":
-        monkeypatch.setattr(torch_native, "BATCHED_MAX_TOKENS_PER_ADAPTER", 0)
-    torch_native.padded_layout.cache_clear()     # layouts are cached per batch shape
+        monkeypatch.setattr(torch_batched, "BATCHED_MAX_TOKENS_PER_ADAPTER", 0)
+    torch_batched.padded_layout.cache_clear()     # layouts are cached per batch shape
     cpu_sgmv.plan_groups.cache_clear()
     yield calls
-    torch_native.padded_layout.cache_clear()
+    torch_batched.padded_layout.cache_clear()
     cpu_sgmv.plan_groups.cache_clear()
 
 

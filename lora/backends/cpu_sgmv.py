@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from lora.batch import token_runs
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_sgmv.c")
@@ -120,14 +122,9 @@ KERNEL_MAX_MEAN_TOKENS = 32
 def plan_groups(seg_lens: tuple[int, ...], seg_slots: tuple[int, ...], slot_ranks: tuple[int, ...],
                 max_rank: int) -> Groups | None:
     """The batch's adapters as kernel groups, or None when the torch ops are the better choice."""
-    token_rows: dict[int, list[int]] = {}
-    start = 0
-    for length, slot in zip(seg_lens, seg_slots):
-        if slot >= 0:
-            token_rows.setdefault(slot, []).extend(range(start, start + length))
-        start += length
-    runs = tuple((slot, min(slot_ranks[slot] if slot < len(slot_ranks) else max_rank, max_rank), tuple(rows))
-                 for slot, rows in token_rows.items())
+    runs = tuple((slot, min(slot_ranks[slot] if slot < len(slot_ranks) else max_rank, max_rank),
+                  tuple(t for lo, hi in spans for t in range(lo, hi)))
+                 for slot, spans in token_runs(seg_lens, seg_slots).items())
     runs = tuple(run for run in runs if run[1] > 0 and run[2])     # empty slots add exactly zero
     if not runs or sum(len(rows) for _, _, rows in runs) > KERNEL_MAX_MEAN_TOKENS * len(runs):
         return None

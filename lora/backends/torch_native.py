@@ -11,11 +11,10 @@ Slot -1 (base model) contributes exactly zero.
 Each op has two implementations:
 - `*_segments`, the control-flow path (eager prefill, CPU decode): loops over the
   adapters present in the batch (host lists) and reads only their first `rank`
-  rows of each slice, which is exact because the rows past the rank are zero;
-  when every adapter has only a few tokens (decode), `add_lora` instead pads
-  them into one [adapters, tokens, ...] batch and runs one bmm per shrink /
-  slice (`add_lora_batched`), reading only the slots between the lowest and
-  highest present;
+  rows of each slice, which is exact because the rows past the rank are zero.
+  `add_lora` prefers, when adapters have few tokens each: on CPU the C kernel
+  (cpu_sgmv: one call per layer, each adapter's weights read once); elsewhere
+  torch_batched's padded grids (one bmm per shrink / slice);
 - `*_masked`, the graph-safe path (captured decode): fixed shapes, no host sync,
   no data-dependent shapes; reads only `token_slots`, computes against every slot
   and keeps each token's own.
@@ -24,14 +23,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from lora.backends import cpu_sgmv
 from lora.backends.registry import register_lora_backend
-from lora.batch import LoRABatchInfo
+from lora.backends.torch_batched import add_lora_batched, padded_layout
+from lora.batch import LoRABatchInfo, token_runs
 
 
 def _rows_by_slot(info: LoRABatchInfo, device: torch.device) -> list[tuple[int, int, slice | torch.Tensor]]:
@@ -40,22 +38,11 @@ def _rows_by_slot(info: LoRABatchInfo, device: torch.device) -> list[tuple[int, 
     return _groups(info.seg_lens_host, info.seg_slots_host, info.slot_ranks_host, info.max_rank, device)
 
 
-def _token_runs(seg_lens: tuple[int, ...], seg_slots: tuple[int, ...]) -> dict[int, list[tuple[int, int]]]:
-    """slot -> its runs of token rows [lo, hi), base (-1) and empty segments left out."""
-    spans: dict[int, list[tuple[int, int]]] = {}
-    start = 0
-    for length, slot in zip(seg_lens, seg_slots):
-        if slot >= 0 and length > 0:
-            spans.setdefault(slot, []).append((start, start + length))
-        start += length
-    return spans
-
-
 @functools.lru_cache(maxsize=64)
 def _groups(seg_lens: tuple[int, ...], seg_slots: tuple[int, ...], slot_ranks: tuple[int, ...], max_rank: int,
             device: torch.device) -> list[tuple[int, int, slice | torch.Tensor]]:
     groups = []
-    for slot, runs in _token_runs(seg_lens, seg_slots).items():
+    for slot, runs in token_runs(seg_lens, seg_slots).items():
         rank = slot_ranks[slot] if slot < len(slot_ranks) else max_rank
         rank = min(rank, max_rank)
         if rank <= 0:  # an empty slot is all zeros
@@ -66,104 +53,6 @@ def _groups(seg_lens: tuple[int, ...], seg_slots: tuple[int, ...], slot_ranks: t
             rows = torch.tensor([t for lo, hi in runs for t in range(lo, hi)], dtype=torch.int64, device=device)
         groups.append((slot, rank, rows))
     return groups
-
-
-# Batched (padded) path: with a handful of tokens per adapter, each per-adapter GEMM costs its
-# dispatch (tens of us on CPU) rather than its flops, and the loop runs 11 of them per adapter
-# and layer. Padding the adapters' tokens into one [adapters, tokens] grid makes that one bmm
-# per shrink and per slice. Padding costs only flops: it is bounded per LoRA token, but a small
-# grid is always worth it (24 one-token adapters plus one with 8 tokens, a 25 x 8 grid for 32
-# tokens: the qkv LoRA takes 0.57 ms batched against 5.8 ms looped).
-BATCHED_MAX_TOKENS_PER_ADAPTER = 64
-BATCHED_MAX_PADDING = 4             # grid cells per LoRA token, beyond the first ...
-BATCHED_FREE_CELLS = 1024           # ... grid cells
-
-
-@dataclass(frozen=True)
-class PaddedLayout:
-    """The LoRA tokens of slots first_slot .. first_slot + num_slots - 1 as a slot-major grid.
-
-    rows: when those tokens already are that grid (a contiguous, equally split run of rows)
-    the grid is a view of x / y; otherwise `gather` [num_slots * max_len] names each cell's
-    token row (T = a zero pad row) and `scatter` [T] each token's cell (num_slots * max_len
-    = a zero row, for base tokens).
-    """
-    first_slot: int
-    num_slots: int
-    max_len: int
-    rows: slice | None
-    gather: torch.Tensor | None
-    scatter: torch.Tensor | None
-
-
-@functools.lru_cache(maxsize=64)
-def padded_layout(seg_lens: tuple[int, ...], seg_slots: tuple[int, ...],
-                  device: torch.device) -> PaddedLayout | None:
-    """The grid for the batched path, or None when the control-flow loop is the better choice."""
-    runs = _token_runs(seg_lens, seg_slots)
-    if not runs:
-        return None
-    tokens = {slot: [t for lo, hi in slot_runs for t in range(lo, hi)] for slot, slot_runs in runs.items()}
-    first, num_slots = min(tokens), max(tokens) - min(tokens) + 1
-    max_len = max(len(ts) for ts in tokens.values())
-    num_lora_tokens = sum(len(ts) for ts in tokens.values())
-    if (max_len > BATCHED_MAX_TOKENS_PER_ADAPTER
-            or num_slots * max_len > max(BATCHED_MAX_PADDING * num_lora_tokens, BATCHED_FREE_CELLS)):
-        return None
-    T = sum(seg_lens)
-    cells = [T] * (num_slots * max_len)
-    for slot, ts in tokens.items():
-        start = (slot - first) * max_len
-        cells[start:start + len(ts)] = ts
-    if T not in cells and cells == list(range(cells[0], cells[0] + len(cells))):
-        return PaddedLayout(first, num_slots, max_len, slice(cells[0], cells[0] + len(cells)), None, None)
-    scatter = [len(cells)] * T
-    for cell, t in enumerate(cells):
-        if t < T:
-            scatter[t] = cell
-    as_index = functools.partial(torch.tensor, dtype=torch.int64, device=device)
-    return PaddedLayout(first, num_slots, max_len, None, as_index(cells), as_index(scatter))
-
-
-def add_lora_batched(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: Sequence[torch.Tensor],
-                     offsets: Sequence[int], layout: PaddedLayout, max_rank: int) -> None:
-    """shrink_segments + expand_segments on the padded grid, with L = slots first .. first + n - 1:
-
-        h[l, j]                          = X[l, j] @ a[l].T                   (one bmm)
-        y[t, offsets[s]:offsets[s+1]]   += h[l, j, s*R:(s+1)*R] @ b[s][l].T   (one bmm per slice)
-
-    for the token t in cell (l, j); X's pad cells are zero rows, so they add exactly zero, as
-    do the rows past each slot's rank. x [T, in], a [slots, stack*R, in], y [T, >= offsets[-1]].
-    """
-    n, m, R = layout.num_slots, layout.max_len, max_rank
-    if n == 1 and layout.rows is not None and y.dtype == a.dtype:
-        _add_lora_run(y, x, a[layout.first_slot], [b_s[layout.first_slot] for b_s in b], offsets, layout.rows, R)
-        return
-    slots = slice(layout.first_slot, layout.first_slot + n)
-    if layout.rows is not None:
-        grid = x[layout.rows].view(n, m, x.shape[1])
-    else:
-        grid = F.pad(x, (0, 0, 0, 1)).index_select(0, layout.gather).view(n, m, x.shape[1])
-    h = torch.bmm(grid, a[slots].transpose(1, 2))
-    for s, b_s in enumerate(b):
-        delta = torch.bmm(h[:, :, s * R:(s + 1) * R], b_s[slots].transpose(1, 2)).view(n * m, -1).to(y.dtype)
-        out = y[:, offsets[s]:offsets[s + 1]]
-        if layout.rows is not None:
-            out[layout.rows].add_(delta)
-        else:
-            out.add_(F.pad(delta, (0, 0, 0, 1)).index_select(0, layout.scatter))
-
-
-def _add_lora_run(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: Sequence[torch.Tensor],
-                  offsets: Sequence[int], rows: slice, R: int) -> None:
-    """One adapter's contiguous run of rows (one adapter for the whole batch, say): 2-D GEMMs,
-    the expand accumulated in place by addmm_ (one op per slice instead of a bmm and an add_,
-    and one rounding instead of two); a [tokens, in] @ [in, stack*R] shrink and
-    [tokens, R] @ [R, out_s] expands are dispatch-bound on CPU, so fewer ops is what counts."""
-    h = x[rows] @ a.T
-    out = y[rows]
-    for s, b_s in enumerate(b):
-        out[:, offsets[s]:offsets[s + 1]].addmm_(h[:, s * R:(s + 1) * R], b_s.T)
 
 
 def _add_rows(y: torch.Tensor, rows: slice | torch.Tensor, delta: torch.Tensor) -> None:
