@@ -102,6 +102,8 @@ def test_bad_operands_are_refused_before_the_kernel_reads_them():
     groups = _groups(token_slots, ranks)
     with pytest.raises(ValueError, match="offsets"):
         cpu_sgmv.sgmv_add(y, x, a, b, (0, 47, 79, 99), groups, 16)
+    with pytest.raises(ValueError, match="do not fit y"):
+        cpu_sgmv.sgmv_add(y[:, :90], x, a, b, offsets, groups, 16)
     with pytest.raises(ValueError, match="LoRA buffers"):
         cpu_sgmv.sgmv_add(y, x, a, b, offsets, groups, 8)
     past_slots = cpu_sgmv.groups_for(((a.shape[0], 4, (0,)),))
@@ -110,7 +112,9 @@ def test_bad_operands_are_refused_before_the_kernel_reads_them():
     past_rows = cpu_sgmv.groups_for(((0, 4, (x.shape[0],)),))
     with pytest.raises(ValueError, match="past the batch"):
         cpu_sgmv.sgmv_add(y, x, a, b, offsets, past_rows, 16)
-    assert not cpu_sgmv.supports(y, x, a, tuple(b_s.transpose(1, 2).contiguous().transpose(1, 2) for b_s in b))
+    strided_b = tuple(b_s.transpose(1, 2).contiguous().transpose(1, 2) for b_s in b)
+    assert not cpu_sgmv.sgmv_add(y, x, a, strided_b, offsets, groups, 16)        # not its layout: torch's
+    assert not cpu_sgmv.sgmv_add(y.float(), x.float(), a, b, offsets, groups, 16)  # nor mixed dtypes
 
 
 def _run_python(code: str, **env) -> subprocess.CompletedProcess:

@@ -257,14 +257,18 @@ static inline __m512 reduce_pairs8(const __m512 *v) {
     return _mm512_permutexvar_ps(order, z);
 }
 
-/* Work of one chunk of one adapter's tokens: shrink rows q = s * rank + j in [q0, q1). */
-static void dp_shrink(const sgmv_args *args, int64_t slot, int64_t rank, int64_t n, const int64_t *r, float *h,
+/* Shrink rows q = s * R + j in [q0, q1) of one chunk of one adapter's tokens into bf16 h
+ * (rounded as torch's bf16 GEMMs round it); rows past the adapter's rank are exactly zero. */
+static void dp_shrink(const sgmv_args *args, int64_t slot, int64_t rank, int64_t n, const int64_t *r, uint16_t *hb,
                       int64_t q0, int64_t q1) {
     const uint16_t *x = args->x, *a = args->a;
     const int64_t in_dim = args->in_dim, R = args->R, SR = args->stack * R;
     for (int64_t q = q0; q < q1; q++) {
-        const int64_t s = q / rank, j = q % rank;
-        const uint16_t *arow = a + slot * args->a_slot_stride + (s * R + j) * in_dim;
+        if (q % R >= rank) {
+            for (int64_t t = 0; t < n; t++) hb[t * SR + q] = 0;
+            continue;
+        }
+        const uint16_t *arow = a + slot * args->a_slot_stride + q * in_dim;
         for (int64_t t0 = 0; t0 < n; t0 += 4) {   /* each a row read once per 4 tokens */
             const int nt = n - t0 < 4 ? (int)(n - t0) : 4;
             __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
@@ -273,7 +277,7 @@ static void dp_shrink(const sgmv_args *args, int64_t slot, int64_t rank, int64_t
                 for (int i = 0; i < nt; i++)
                     acc[i] = _mm512_dpbf16_ps(acc[i], av, load_pairs(x + r[t0 + i] * args->x_stride + k, in_dim - k));
             }
-            for (int i = 0; i < nt; i++) h[(t0 + i) * SR + s * R + j] = _mm512_reduce_add_ps(acc[i]);
+            for (int i = 0; i < nt; i++) hb[(t0 + i) * SR + q] = bf16_store(_mm512_reduce_add_ps(acc[i]));
         }
     }
 }
@@ -332,54 +336,42 @@ static int sgmv_bf16_dp_range(const sgmv_args *args, int64_t g_begin, int64_t g_
     for (int64_t s = 0; s < stack; s++) item_start[s + 1] = item_start[s] + (args->out_dims[s] + 15) / 16;
     const int64_t items = item_start[stack];
     const int by_group = g_end - g_begin >= 2 * omp_get_max_threads();
-    float *shared_h = malloc(sizeof(float) * CHUNK * SR);
-    uint16_t *shared_hb = malloc(sizeof(uint16_t) * (CHUNK * SR + 32));
-    int status = !shared_h || !shared_hb;
+    uint16_t *shared_hb = malloc(sizeof(uint16_t) * (CHUNK * SR + 32));   /* + 32: whole-vector loads */
+    int status = !shared_hb;
     #pragma omp parallel if (!status)
     {
-        float *h = by_group ? malloc(sizeof(float) * CHUNK * SR) : shared_h;
         uint16_t *hb = by_group ? malloc(sizeof(uint16_t) * (CHUNK * SR + 32)) : shared_hb;
-        if (!h || !hb) {
+        if (!hb) {
             #pragma omp atomic write
             status = 1;
         }
         if (by_group) {
             #pragma omp for schedule(dynamic, 1)
             for (int64_t g = g_begin; g < g_end; g++) {
-                if (!h || !hb) continue;   /* every thread still takes part in the loop */
+                if (!hb) continue;   /* every thread still takes part in the loop */
                 const int64_t slot = args->group_slot[g], rank = args->group_rank[g];
                 for (int64_t c0 = args->group_start[g]; c0 < args->group_start[g + 1]; c0 += CHUNK) {
                     const int64_t n = args->group_start[g + 1] - c0 < CHUNK ? args->group_start[g + 1] - c0 : CHUNK;
                     const int64_t *r = args->rows + c0;
-                    memset(h, 0, sizeof(float) * n * SR);   /* ranks past the adapter's: exactly zero */
-                    dp_shrink(args, slot, rank, n, r, h, 0, stack * rank);
-                    for (int64_t i = 0; i < n * SR; i++) hb[i] = bf16_store(h[i]);
+                    dp_shrink(args, slot, rank, n, r, hb, 0, SR);
                     for (int64_t q = 0; q < items; q++) dp_expand(args, slot, rank, n, r, hb, item_start, q);
                 }
             }
-        } else if (h && hb) {   /* shared buffers: the same branch on every thread */
+            free(hb);
+        } else if (hb) {   /* the shared buffer: the same branch on every thread */
             for (int64_t g = g_begin; g < g_end; g++) {
                 const int64_t slot = args->group_slot[g], rank = args->group_rank[g];
                 for (int64_t c0 = args->group_start[g]; c0 < args->group_start[g + 1]; c0 += CHUNK) {
                     const int64_t n = args->group_start[g + 1] - c0 < CHUNK ? args->group_start[g + 1] - c0 : CHUNK;
                     const int64_t *r = args->rows + c0;
                     #pragma omp for schedule(static)
-                    for (int64_t i = 0; i < n * SR; i++) h[i] = 0.f;
-                    #pragma omp for schedule(static)
-                    for (int64_t q = 0; q < stack * rank; q++) dp_shrink(args, slot, rank, n, r, h, q, q + 1);
-                    #pragma omp for schedule(static)
-                    for (int64_t i = 0; i < n * SR; i++) hb[i] = bf16_store(h[i]);
+                    for (int64_t q = 0; q < SR; q++) dp_shrink(args, slot, rank, n, r, hb, q, q + 1);
                     #pragma omp for schedule(static)
                     for (int64_t q = 0; q < items; q++) dp_expand(args, slot, rank, n, r, hb, item_start, q);
                 }
             }
         }
-        if (by_group) {
-            free(h);
-            free(hb);
-        }
     }
-    free(shared_h);
     free(shared_hb);
     return status;
 }

@@ -156,34 +156,79 @@ class _Args(ctypes.Structure):
                 ("rows", ctypes.c_void_p)]
 
 
-def supports(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: Sequence[torch.Tensor]) -> bool:
-    """The layouts the kernel reads (anything else goes to the torch ops)."""
-    return (x.device.type == "cpu" and x.dtype in _SYMBOLS and x.dtype == a.dtype == y.dtype
-            and all(b_s.dtype == x.dtype and b_s.is_contiguous() for b_s in b)
-            and x.dim() == 2 and x.stride(1) == 1 and y.dim() == 2 and y.stride(1) == 1
-            and a.dim() == 3 and a.is_contiguous() and a.shape[2] == x.shape[1])
+@dataclass(frozen=True)
+class _Layer:
+    """What a LoRA layer's buffers give every call: checked once, then reused (the buffers never move)."""
+    fn: object
+    dtype: torch.dtype
+    num_slots: int
+    max_rank: int
+    in_dim: int
+    out_end: int
+    fields: tuple     # _Args fields a .. y_offsets
+    keep: tuple       # the ctypes arrays those fields point into
+
+
+_LAYERS: dict[tuple, _Layer | None] = {}
+
+
+def _layer(a: torch.Tensor, b: tuple[torch.Tensor, ...], offsets: tuple[int, ...], max_rank: int) -> _Layer | None:
+    """None when these buffers are not a layout the kernel reads (the torch ops take them)."""
+    # Keyed by addresses and shapes, so a template never outlives the memory it points into.
+    key = (a.data_ptr(), a.shape, a.dtype, tuple((b_s.data_ptr(), b_s.shape, b_s.stride()) for b_s in b),
+           offsets, max_rank)
+    if key not in _LAYERS:
+        if len(_LAYERS) > 4096:
+            _LAYERS.clear()
+        _LAYERS[key] = _build_layer(a, b, offsets, max_rank)
+    return _LAYERS[key]
+
+
+def _build_layer(a: torch.Tensor, b: tuple[torch.Tensor, ...], offsets: tuple[int, ...], max_rank: int):
+    stack, R = len(b), max_rank
+    if not (a.device.type == "cpu" and a.dtype in _SYMBOLS and a.dim() == 3 and a.is_contiguous()
+            and all(b_s.dtype == a.dtype and b_s.is_contiguous() and b_s.dim() == 3 for b_s in b)):
+        return None
+    out_dims = [b_s.shape[1] for b_s in b]
+    # Everything the C code indexes is checked here or per call: it trusts its arguments.
+    if a.shape[1] != stack * R or any(b_s.shape[0] != a.shape[0] or b_s.shape[2] != R for b_s in b):
+        raise ValueError(f"LoRA buffers a {tuple(a.shape)} / b {[tuple(b_s.shape) for b_s in b]} for R={R}")
+    if list(offsets[1:]) != [offsets[s] + out_dims[s] for s in range(stack)]:
+        raise ValueError(f"offsets {list(offsets)} do not fit out dims {out_dims}")
+    keep = ((ctypes.c_void_p * stack)(*[b_s.data_ptr() for b_s in b]), (ctypes.c_int64 * stack)(*out_dims),
+            (ctypes.c_int64 * stack)(*offsets[:-1]))
+    fields = (a.data_ptr(), a.stride(0), stack, R, *keep)
+    return _Layer(getattr(_load(), _SYMBOLS[a.dtype]), a.dtype, a.shape[0], R, a.shape[2], offsets[-1], fields, keep)
 
 
 def sgmv_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: Sequence[torch.Tensor],
-             offsets: Sequence[int], groups: Groups, max_rank: int) -> None:
-    """y[t, offsets[s]:offsets[s+1]] += x[t] @ a[l, s*R:(s+1)*R].T @ b[s][l].T for each group's rows t, slot l."""
-    lib = _load()
-    assert lib is not None and supports(y, x, a, b), "call supports() / available() first"
-    stack, R = len(b), max_rank
-    out_dims = [b_s.shape[1] for b_s in b]
-    # Everything the C code indexes is checked here: it trusts its arguments.
-    if a.shape[1] != stack * R or any(b_s.shape[0] != a.shape[0] or b_s.shape[2] != R for b_s in b):
-        raise ValueError(f"LoRA buffers a {tuple(a.shape)} / b {[tuple(b_s.shape) for b_s in b]} for R={R}")
-    if list(offsets[1:]) != [offsets[s] + out_dims[s] for s in range(stack)] or offsets[-1] > y.shape[1]:
-        raise ValueError(f"offsets {list(offsets)} do not fit out dims {out_dims} / y {tuple(y.shape)}")
+             offsets: Sequence[int], groups: Groups, max_rank: int) -> bool:
+    """y[t, offsets[s]:offsets[s+1]] += x[t] @ a[l, s*R:(s+1)*R].T @ b[s][l].T for each group's rows t, slot l.
+
+    False (nothing done) when the operands are not a layout the kernel reads.
+    """
+    assert available(), "call available() first"
+    layer = _layer(a, tuple(b), tuple(offsets), max_rank)
+    if (layer is None or x.dtype != layer.dtype or y.dtype != layer.dtype or x.dim() != 2 or y.dim() != 2
+            or x.stride(1) != 1 or y.stride(1) != 1 or x.shape[1] != layer.in_dim or x.device != a.device
+            or y.device != a.device):
+        return False
     rows_end, slots_end, rank = groups.bounds
-    if rows_end > min(x.shape[0], y.shape[0]) or slots_end > a.shape[0] or rank > R:
+    if rows_end > min(x.shape[0], y.shape[0]) or slots_end > layer.num_slots or rank > layer.max_rank:
         raise ValueError("LoRA groups index past the batch, the slots or the rank")
-    i64_array = lambda v: (ctypes.c_int64 * len(v))(*v)  # noqa: E731
-    args = _Args(x.data_ptr(), x.stride(0), x.shape[1], a.data_ptr(), a.stride(0), stack, R,
-                 (ctypes.c_void_p * stack)(*[b_s.data_ptr() for b_s in b]), i64_array(out_dims),
-                 i64_array(list(offsets[:-1])), y.data_ptr(), y.stride(0), groups.slot.data_ptr(),
-                 groups.rank.data_ptr(), groups.start.data_ptr(), groups.rows.data_ptr())
-    status = getattr(lib, _SYMBOLS[x.dtype])(ctypes.byref(args), ctypes.c_int64(groups.num_groups))
-    if status != 0:
+    if layer.out_end > y.shape[1]:
+        raise ValueError(f"offsets {list(offsets)} do not fit y {tuple(y.shape)}")
+    args = _Args(x.data_ptr(), x.stride(0), layer.in_dim, *layer.fields, y.data_ptr(), y.stride(0),
+                 groups.slot.data_ptr(), groups.rank.data_ptr(), groups.start.data_ptr(), groups.rows.data_ptr())
+    if layer.fn(ctypes.byref(args), ctypes.c_int64(groups.num_groups)) != 0:
         raise MemoryError("CPU LoRA kernel: out of memory for its scratch buffers")
+    return True
+
+
+def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: Sequence[torch.Tensor], offsets: Sequence[int],
+             info) -> bool:
+    """The backend's entry: True when the kernel did the step's LoRA for this layer, False to use torch ops."""
+    if not available():
+        return False
+    groups = plan_groups(info.seg_lens_host, info.seg_slots_host, info.slot_ranks_host, info.max_rank)
+    return groups is not None and sgmv_add(y, x, a, b, offsets, groups, info.max_rank)

@@ -180,12 +180,8 @@ class TorchNativeBackend:
         if not info.use_graph:
             if not info.has_lora:
                 return
-            if x.device.type == "cpu" and cpu_sgmv.available() and cpu_sgmv.supports(y, x, a, b):
-                groups = cpu_sgmv.plan_groups(info.seg_lens_host, info.seg_slots_host, info.slot_ranks_host,
-                                              info.max_rank)
-                if groups is not None:
-                    cpu_sgmv.sgmv_add(y, x, a, b, offsets, groups, info.max_rank)
-                    return
+            if x.device.type == "cpu" and cpu_sgmv.add_lora(y, x, a, b, offsets, info):
+                return
             layout = padded_layout(info.seg_lens_host, info.seg_slots_host, x.device)
             if layout is not None and x.dtype == a.dtype:
                 add_lora_batched(y, x, a, b, offsets, layout, info.max_rank)
