@@ -282,6 +282,8 @@ static void dp_shrink(const sgmv_args *args, int64_t slot, int64_t rank, int64_t
     }
 }
 
+#define MANY_TOKENS 4   /* from this many tokens of one adapter, transposing b's blocks pays */
+
 /* Expand item q: a block of 16 outputs of one slice, or a slice's last (< 16) outputs. */
 static void dp_expand(const sgmv_args *args, int64_t slot, int64_t rank, int64_t n, const int64_t *r,
                       const uint16_t *hb, const int64_t *item_start, int64_t q) {
@@ -299,6 +301,28 @@ static void dp_expand(const sgmv_args *args, int64_t slot, int64_t rank, int64_t
                 uint16_t *yp = y + r[t] * args->y_stride + oo;
                 *yp = bf16_store(bf16_load(*yp) + acc);
             }
+        return;
+    }
+    if (R == 16 && n >= MANY_TOKENS) {
+        /* The block transposed once, so that lane i is output o+i: bt[p] lane i = the rank pair
+         * (2p, 2p+1) of row o+i. Each token then needs 8 dots against its broadcast h pairs and
+         * no reduction (a third of the work of the form below, which pays no transpose). */
+        uint32_t bt[8][16] __attribute__((aligned(64)));
+        for (int i = 0; i < 16; i++)
+            for (int p = 0; p < 8; p++) memcpy(&bt[p][i], bs + (o + i) * 16 + 2 * p, sizeof(uint32_t));
+        __m512bh btv[8];
+        for (int p = 0; p < 8; p++) btv[p] = (__m512bh)_mm512_load_si512(bt[p]);
+        for (int64_t t = 0; t < n; t++) {
+            const uint16_t *ht = hb + t * SR + s * R;
+            __m512 acc = _mm512_setzero_ps();
+            for (int p = 0; p < 8; p++) {
+                uint32_t pair;
+                memcpy(&pair, ht + 2 * p, sizeof pair);
+                acc = _mm512_dpbf16_ps(acc, btv[p], (__m512bh)_mm512_set1_epi32((int)pair));
+            }
+            uint16_t *yp = y + r[t] * args->y_stride + o;
+            _mm256_storeu_si256((__m256i *)yp, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(load_bf16(yp, 16), acc)));
+        }
         return;
     }
     __m512bh bp[8];
