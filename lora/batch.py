@@ -11,7 +11,7 @@ layer and module, so rank_pattern / alpha_pattern stay exact): no scalings here.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,6 +26,8 @@ class LoRABatchInfo:
     slot_ranks_host: tuple[int, ...]   # [num_slots] effective rank, 0 = empty slot
     max_rank: int
     use_graph: bool = False
+    # Per-step results a backend derives from the host lists once instead of once per layer.
+    memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:

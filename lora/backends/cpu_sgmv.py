@@ -94,7 +94,7 @@ def _load() -> ctypes.CDLL | None:
             return None
         for symbol in _SYMBOLS.values():
             fn = getattr(lib, symbol)
-            fn.restype = ctypes.c_int
+            fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_int64]
         _lib = lib
         return _lib
 
@@ -105,13 +105,17 @@ def available() -> bool:
 
 @dataclass(frozen=True)
 class Groups:
-    """The adapters of a batch as the kernel reads them; the tensors must outlive the call."""
+    """The adapters of a batch as the kernel reads them (the tensors own the memory `ptrs` point into)."""
     num_groups: int
     slot: torch.Tensor      # [G] int64
     rank: torch.Tensor      # [G] int64
     start: torch.Tensor     # [G + 1] int64, into rows
     rows: torch.Tensor      # token rows, grouped by adapter
     bounds: tuple[int, int, int]   # max row + 1, max slot + 1, max rank (0s when empty)
+
+    @functools.cached_property
+    def ptrs(self) -> tuple[int, int, int, int]:
+        return self.slot.data_ptr(), self.rank.data_ptr(), self.start.data_ptr(), self.rows.data_ptr()
 
 
 # Past this many tokens per adapter (on average) the torch GEMMs, multi-threaded, win.
@@ -156,35 +160,38 @@ class _Args(ctypes.Structure):
                 ("rows", ctypes.c_void_p)]
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Layer:
-    """What a LoRA layer's buffers give every call: checked once, then reused (the buffers never move)."""
+    """One LoRA layer's call, checked once: its buffers never move, so only x, y and the groups
+    change from call to call (written into `args` in place: a layer's forward is not re-entrant)."""
     fn: object
     dtype: torch.dtype
     num_slots: int
     max_rank: int
     in_dim: int
     out_end: int
-    fields: tuple     # _Args fields a .. y_offsets
-    keep: tuple       # the ctypes arrays those fields point into
+    args: _Args
+    keep: tuple       # the buffers (so their ids stay theirs) and the ctypes arrays args points into
 
 
+# Keyed by the buffers' ids, held alive by the entry: looked up on every call of every layer,
+# where hashing shapes and addresses cost more than the kernel's smallest calls.
 _LAYERS: dict[tuple, _Layer | None] = {}
 
 
-def _layer(a: torch.Tensor, b: tuple[torch.Tensor, ...], offsets: tuple[int, ...], max_rank: int) -> _Layer | None:
+def _layer(a: torch.Tensor, b: Sequence[torch.Tensor], offsets: tuple[int, ...], max_rank: int) -> _Layer | None:
     """None when these buffers are not a layout the kernel reads (the torch ops take them)."""
-    # Keyed by addresses and shapes, so a template never outlives the memory it points into.
-    key = (a.data_ptr(), a.shape, a.dtype, tuple((b_s.data_ptr(), b_s.shape, b_s.stride()) for b_s in b),
-           offsets, max_rank)
-    if key not in _LAYERS:
-        if len(_LAYERS) > 4096:
+    key = (id(a), id(b), offsets, max_rank)
+    layer = _LAYERS.get(key, _LAYERS)
+    if layer is _LAYERS:
+        if len(_LAYERS) >= 4096:
             _LAYERS.clear()
-        _LAYERS[key] = _build_layer(a, b, offsets, max_rank)
-    return _LAYERS[key]
+        layer = _LAYERS[key] = _build_layer(a, tuple(b), offsets, max_rank, keep=(a, b))
+    return layer
 
 
-def _build_layer(a: torch.Tensor, b: tuple[torch.Tensor, ...], offsets: tuple[int, ...], max_rank: int):
+def _build_layer(a: torch.Tensor, b: tuple[torch.Tensor, ...], offsets: tuple[int, ...], max_rank: int,
+                 keep: tuple) -> _Layer | None:
     stack, R = len(b), max_rank
     if not (a.device.type == "cpu" and a.dtype in _SYMBOLS and a.dim() == 3 and a.is_contiguous()
             and all(b_s.dtype == a.dtype and b_s.is_contiguous() and b_s.dim() == 3 for b_s in b)):
@@ -195,10 +202,11 @@ def _build_layer(a: torch.Tensor, b: tuple[torch.Tensor, ...], offsets: tuple[in
         raise ValueError(f"LoRA buffers a {tuple(a.shape)} / b {[tuple(b_s.shape) for b_s in b]} for R={R}")
     if list(offsets[1:]) != [offsets[s] + out_dims[s] for s in range(stack)]:
         raise ValueError(f"offsets {list(offsets)} do not fit out dims {out_dims}")
-    keep = ((ctypes.c_void_p * stack)(*[b_s.data_ptr() for b_s in b]), (ctypes.c_int64 * stack)(*out_dims),
-            (ctypes.c_int64 * stack)(*offsets[:-1]))
-    fields = (a.data_ptr(), a.stride(0), stack, R, *keep)
-    return _Layer(getattr(_load(), _SYMBOLS[a.dtype]), a.dtype, a.shape[0], R, a.shape[2], offsets[-1], fields, keep)
+    arrays = ((ctypes.c_void_p * stack)(*[b_s.data_ptr() for b_s in b]), (ctypes.c_int64 * stack)(*out_dims),
+              (ctypes.c_int64 * stack)(*offsets[:-1]))
+    args = _Args(0, 0, a.shape[2], a.data_ptr(), a.stride(0), stack, R, *arrays)
+    return _Layer(getattr(_load(), _SYMBOLS[a.dtype]), a.dtype, a.shape[0], R, a.shape[2], offsets[-1], args,
+                  (*keep, *arrays))
 
 
 def sgmv_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: Sequence[torch.Tensor],
@@ -208,19 +216,20 @@ def sgmv_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: Sequence[torc
     False (nothing done) when the operands are not a layout the kernel reads.
     """
     assert available(), "call available() first"
-    layer = _layer(a, tuple(b), tuple(offsets), max_rank)
+    layer = _layer(a, b, tuple(offsets), max_rank)
     if (layer is None or x.dtype != layer.dtype or y.dtype != layer.dtype or x.dim() != 2 or y.dim() != 2
-            or x.stride(1) != 1 or y.stride(1) != 1 or x.shape[1] != layer.in_dim or x.device != a.device
-            or y.device != a.device):
+            or x.shape[1] != layer.in_dim or x.stride(1) != 1 or y.stride(1) != 1 or x.device.type != "cpu"
+            or y.device.type != "cpu"):
         return False
     rows_end, slots_end, rank = groups.bounds
-    if rows_end > min(x.shape[0], y.shape[0]) or slots_end > layer.num_slots or rank > layer.max_rank:
+    if rows_end > x.shape[0] or rows_end > y.shape[0] or slots_end > layer.num_slots or rank > layer.max_rank:
         raise ValueError("LoRA groups index past the batch, the slots or the rank")
     if layer.out_end > y.shape[1]:
         raise ValueError(f"offsets {list(offsets)} do not fit y {tuple(y.shape)}")
-    args = _Args(x.data_ptr(), x.stride(0), layer.in_dim, *layer.fields, y.data_ptr(), y.stride(0),
-                 groups.slot.data_ptr(), groups.rank.data_ptr(), groups.start.data_ptr(), groups.rows.data_ptr())
-    if layer.fn(ctypes.byref(args), ctypes.c_int64(groups.num_groups)) != 0:
+    args = layer.args
+    args.x, args.x_stride, args.y, args.y_stride = x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0)
+    args.group_slot, args.group_rank, args.group_start, args.rows = groups.ptrs
+    if layer.fn(ctypes.addressof(args), groups.num_groups) != 0:
         raise MemoryError("CPU LoRA kernel: out of memory for its scratch buffers")
     return True
 
@@ -230,5 +239,8 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: Sequence[torc
     """The backend's entry: True when the kernel did the step's LoRA for this layer, False to use torch ops."""
     if not available():
         return False
-    groups = plan_groups(info.seg_lens_host, info.seg_slots_host, info.slot_ranks_host, info.max_rank)
+    groups = info.memo.get("cpu_sgmv", info.memo)
+    if groups is info.memo:   # once per step, not per layer
+        groups = info.memo["cpu_sgmv"] = plan_groups(info.seg_lens_host, info.seg_slots_host,
+                                                     info.slot_ranks_host, info.max_rank)
     return groups is not None and sgmv_add(y, x, a, b, offsets, groups, info.max_rank)
