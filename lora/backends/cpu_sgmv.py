@@ -1,106 +1,31 @@
-"""The CPU segmented-LoRA kernel (cpu_sgmv.c): built with the system C compiler on first use, called by ctypes.
+"""The CPU segmented-LoRA kernel (cpu_sgmv.c), called by ctypes; built by lora/native.py.
 
-Plain C, no torch headers, so the build takes about a second; the shared object is cached
-under `.cache/kernels/` of the checkout (or LORASERVE_KERNEL_DIR), keyed by the source, the
-flags and the machine. If there is no compiler, or LORASERVE_CPU_KERNEL=0, `available()` is
-False and the torch ops do the work (same results, slower with many adapters per batch).
+Without it (no C compiler, or LORASERVE_CPU_KERNEL=0) `available()` is False and the torch ops
+do the work: same results, slower with many adapters per batch.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from lora import native
 from lora.batch import token_runs
 
-logger = logging.getLogger(__name__)
-
 SOURCE = Path(__file__).with_name("cpu_sgmv.c")
-# -fopenmp links libgomp.so.1, which resolves to the copy torch has already loaded: the kernel's
-# threads are torch's own pool. LORASERVE_KERNEL_ARCH builds for another -march (tests use it
-# to run the code paths of machines without AVX-512 or its bf16 instructions).
-FLAGS = ("-O3", "-fopenmp", "-ffp-contract=fast", "-shared", "-fPIC")
 _SYMBOLS = {torch.bfloat16: "sgmv_add_bf16", torch.float32: "sgmv_add_f32"}
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_tried = False
-
-
-def _cache_dir() -> Path:
-    configured = os.environ.get("LORASERVE_KERNEL_DIR")
-    if configured:
-        return Path(configured)
-    repo_cache = Path(__file__).resolve().parents[2] / ".cache" / "kernels"
-    return repo_cache if os.access(repo_cache.parents[1], os.W_OK) else Path(tempfile.gettempdir()) / "loraserve-kernels"
-
-
-def _build() -> Path:
-    source = SOURCE.read_bytes()
-    flags = (*FLAGS, f"-march={os.environ.get('LORASERVE_KERNEL_ARCH', 'native')}")
-    key = hashlib.sha256(source + " ".join(flags).encode() + platform.machine().encode()
-                         + platform.processor().encode() + _cpu_model().encode()).hexdigest()[:16]
-    target = _cache_dir() / f"cpu_sgmv-{key}.so"
-    if target.exists():
-        return target
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise RuntimeError("no C compiler (cc/gcc) on PATH")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Build into a private name, then rename: concurrent processes (Ray workers) never load half a file.
-    fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        subprocess.run([compiler, *flags, str(SOURCE), "-o", partial], check=True, capture_output=True, timeout=120)
-        os.replace(partial, target)
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
-    return target
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
 
 
 def _load() -> ctypes.CDLL | None:
-    global _lib, _tried
-    with _lock:
-        if _tried:
-            return _lib
-        _tried = True
-        if os.environ.get("LORASERVE_CPU_KERNEL", "1") == "0":
-            return None
-        try:
-            lib = ctypes.CDLL(str(_build()))
-        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-            detail = getattr(exc, "stderr", b"") or b""
-            logger.warning("CPU LoRA kernel unavailable, using torch ops: %s %s", exc, detail.decode(errors="replace"))
-            return None
-        for symbol in _SYMBOLS.values():
-            fn = getattr(lib, symbol)
-            fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_int64]
-        _lib = lib
-        return _lib
+    return native.load(SOURCE, {name: [ctypes.c_void_p, ctypes.c_int64] for name in _SYMBOLS.values()})
 
 
 def available() -> bool:
-    return (_lib if _tried else _load()) is not None
+    return _load() is not None
 
 
 @dataclass(frozen=True)

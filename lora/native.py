@@ -1,0 +1,90 @@
+"""Builds and loads the repo's small C kernels (lora/backends/cpu_sgmv.c, workers/cpu_attention.c).
+
+Plain C, no torch headers: the system C compiler builds one in about a second, on first use,
+into `.cache/kernels/` of the checkout (or LORASERVE_KERNEL_DIR), keyed by the source, the flags
+and the CPU. `-fopenmp` links libgomp.so.1, which resolves to the copy torch has already
+loaded: a kernel's threads are torch's own pool (a pool of its own would fight torch's
+spinning workers for the cores). If there is no compiler, or LORASERVE_CPU_KERNEL=0, `load`
+returns None, a warning says why, and the callers use torch ops (same results, slower).
+LORASERVE_KERNEL_ARCH builds for another -march than the machine's (tests use it to run the
+code paths of CPUs without AVX-512 or its bf16 instructions).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch  # noqa: F401  (loaded first: the kernels' libgomp.so.1 must resolve to torch's)
+
+logger = logging.getLogger(__name__)
+
+FLAGS = ("-O3", "-fopenmp", "-ffp-contract=fast", "-shared", "-fPIC")
+_lock = threading.Lock()
+_loaded: dict[Path, ctypes.CDLL | None] = {}
+
+
+def _cache_dir() -> Path:
+    configured = os.environ.get("LORASERVE_KERNEL_DIR")
+    if configured:
+        return Path(configured)
+    repo_cache = Path(__file__).resolve().parents[1] / ".cache" / "kernels"
+    return repo_cache if os.access(repo_cache.parents[1], os.W_OK) else Path(tempfile.gettempdir()) / "loraserve-kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _build(source: Path) -> Path:
+    flags = (*FLAGS, f"-march={os.environ.get('LORASERVE_KERNEL_ARCH', 'native')}")
+    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode() + platform.machine().encode()
+                         + _cpu_flags().encode()).hexdigest()[:16]
+    target = _cache_dir() / f"{source.stem}-{key}.so"
+    if target.exists():
+        return target
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc/gcc) on PATH")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build into a private name, then rename: concurrent processes (Ray workers) never load half a file.
+    fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *flags, str(source), "-o", partial], check=True, capture_output=True, timeout=120)
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return target
+
+
+def load(source: Path, symbols: dict[str, list]) -> ctypes.CDLL | None:
+    """The built library with `symbols` (name -> argtypes, returning int) set up, or None (warned once)."""
+    with _lock:
+        if source in _loaded:
+            return _loaded[source]
+        lib = None
+        if os.environ.get("LORASERVE_CPU_KERNEL", "1") != "0":
+            try:
+                lib = ctypes.CDLL(str(_build(source)))
+                for name, argtypes in symbols.items():
+                    fn = getattr(lib, name)
+                    fn.restype, fn.argtypes = ctypes.c_int, argtypes
+            except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as exc:
+                detail = (getattr(exc, "stderr", b"") or b"").decode(errors="replace")
+                logger.warning("CPU kernel %s unavailable, using torch ops: %s %s", source.name, exc, detail)
+                lib = None
+        _loaded[source] = lib
+        return lib
