@@ -20,3 +20,4 @@ class ForwardBatch:
     context_lens: torch.Tensor | None = None # decode: [B]
     lora: LoRABatchInfo | None = None        # per token
     lm_lora: LoRABatchInfo | None = None     # per logits row
+    graph_safe: bool = False                 # decode ops must be capturable: device tensor ops only

@@ -10,6 +10,8 @@ from collections import deque
 import torch
 import torch.nn.functional as F
 
+from workers import cpu_attention
+
 SCRATCH_BLOCK = 0
 
 
@@ -82,12 +84,20 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                     graph_safe: bool = True) -> torch.Tensor:
     """One query token per sequence over its paged context; fixed shapes, no host sync.
+
+    graph_safe=False (an eager step) lets the CPU use its C kernel (workers/cpu_attention.c),
+    which reads the blocks in place instead of gathering them.
 
     q: [B, H, D]; k_cache/v_cache: [kv_heads, blocks, block_size, D]; block_tables: [B, W];
     context_lens: [B] -> [B, H, D]. Keys are gathered for all W blocks and masked past context_lens.
     """
+    if not graph_safe and q.device.type == "cpu":
+        out = cpu_attention.decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+        if out is not None:
+            return out
     B, W = block_tables.shape
     kv_heads, num_blocks, bs, D = k_cache.shape
     group = q.shape[1] // kv_heads

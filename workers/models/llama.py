@@ -59,7 +59,8 @@ class Attention(nn.Module):
         if batch.is_prefill:
             out = prefill_attention(q, k, v, batch.cu_seqlens, self.scale)
         else:
-            out = decode_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens, self.scale)
+            out = decode_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens, self.scale,
+                                   batch.graph_safe)
         return self.o_proj(out.reshape(-1, q_size), batch.lora)
 
 

@@ -1,0 +1,65 @@
+"""The CPU decode-attention kernel (workers/cpu_attention.c) against the torch ops it replaces."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workers import cpu_attention
+from workers.kv_cache import decode_attention
+
+
+@pytest.fixture(autouse=True)
+def two_threads():
+    assert cpu_attention.available(), "the CPU attention kernel did not build (needs a C compiler)"
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def _case(dtype, kv_heads=4, group=2, head_dim=64, block_size=8, width=5, batch=9, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = 40
+    k = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=gen).to(dtype)
+    v = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=gen).to(dtype)
+    q = torch.randn(batch, kv_heads * group, head_dim, generator=gen).to(dtype)
+    tables = torch.randint(0, num_blocks, (batch, width + 3), generator=gen)[:, :width]   # a strided view
+    lens = torch.randint(1, width * block_size + 1, (batch,), generator=gen)
+    lens[0], lens[1] = 1, width * block_size             # the shortest and the longest context
+    return q, k, v, tables, lens, head_dim ** -0.5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_heads,group,head_dim,block_size", [(4, 2, 64, 8), (2, 1, 128, 16), (1, 8, 32, 4)])
+def test_matches_the_torch_ops(dtype, kv_heads, group, head_dim, block_size):
+    q, k, v, tables, lens, scale = _case(dtype, kv_heads, group, head_dim, block_size)
+    expected = decode_attention(q, k, v, tables, lens, scale, graph_safe=True)
+    out = decode_attention(q, k, v, tables, lens, scale, graph_safe=False)
+    assert out.dtype == dtype and out.shape == q.shape
+    # The torch path rounds bf16 scores and probabilities before the weighted sum; the kernel keeps fp32.
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(out.float(), expected.float(), **tol)
+
+
+def test_reads_only_each_sequence_s_own_blocks():
+    q, k, v, tables, lens, scale = _case(torch.float32)
+    expected = decode_attention(q, k, v, tables, lens, scale, graph_safe=False)
+    used = {int(tables[b, j]) for b in range(len(lens)) for j in range((int(lens[b]) + 7) // 8)}
+    unused = [blk for blk in range(k.shape[1]) if blk not in used]
+    k[:, unused], v[:, unused] = float("nan"), float("nan")      # poison every other block
+    torch.testing.assert_close(decode_attention(q, k, v, tables, lens, scale, graph_safe=False), expected)
+
+
+def test_out_of_range_contexts_and_blocks_fail_instead_of_reading_past_the_cache():
+    q, k, v, tables, lens, scale = _case(torch.float32)
+    for bad_lens, bad_tables in ((lens.clone().fill_(0), tables), (lens + 100, tables),
+                                 (lens, tables.clone().fill_(k.shape[1])), (lens, tables.clone().fill_(-1))):
+        with pytest.raises(ValueError, match="out of range"):
+            decode_attention(q, k, v, bad_tables, bad_lens, scale, graph_safe=False)
+
+
+def test_other_dtypes_and_the_graph_safe_path_keep_the_torch_ops():
+    q, k, v, tables, lens, scale = _case(torch.float16)
+    assert cpu_attention.decode_attention(q, k, v, tables, lens, scale) is None
+    q, k, v, tables, lens, scale = _case(torch.float32)
+    assert cpu_attention.decode_attention(q, k.transpose(2, 3), v, tables, lens, scale) is None   # not its layout

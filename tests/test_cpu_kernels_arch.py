@@ -1,0 +1,25 @@
+"""The C kernels' code paths for other CPUs: each test file rerun with the kernels built for another -march."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="-march names below are x86-64 ones")
+@pytest.mark.parametrize("arch", ["x86-64-v2", "skylake-avx512"])
+def test_the_code_paths_of_older_cpus_match_too(arch, tmp_path):
+    """x86-64-v2: the portable loops; skylake-avx512: AVX-512 without its bf16 dot instruction."""
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(TESTS / "test_cpu_sgmv.py"),
+         str(TESTS / "test_cpu_attention.py"), "-k", "matches"],
+        cwd=TESTS.parent, text=True, capture_output=True, timeout=300,
+        env={**os.environ, "LORASERVE_KERNEL_ARCH": arch, "LORASERVE_KERNEL_DIR": str(tmp_path)})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "passed" in done.stdout and "deselected" in done.stdout
+    assert {p.name.split("-")[0] for p in tmp_path.glob("*.so")} == {"cpu_sgmv", "cpu_attention"}

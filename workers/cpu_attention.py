@@ -1,0 +1,59 @@
+"""Decode attention on the CPU through cpu_attention.c (ctypes); None where it does not apply.
+
+Used by kv_cache.decode_attention on the eager CPU path only: the graph-safe path must stay
+torch ops (capturable, fake-tensor traceable), and other dtypes (fp16) keep torch's.
+"""
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from lora import native
+
+SOURCE = Path(__file__).with_name("cpu_attention.c")
+_SYMBOLS = {torch.bfloat16: "decode_attention_bf16", torch.float32: "decode_attention_f32"}
+
+
+class _Args(ctypes.Structure):
+    """attn_args of cpu_attention.c, field for field."""
+    _fields_ = [("q", ctypes.c_void_p), ("q_stride", ctypes.c_int64),
+                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
+                ("kv_heads", ctypes.c_int64), ("num_blocks", ctypes.c_int64), ("block_size", ctypes.c_int64),
+                ("head_dim", ctypes.c_int64), ("group", ctypes.c_int64),
+                ("block_tables", ctypes.c_void_p), ("bt_stride", ctypes.c_int64), ("max_blocks", ctypes.c_int64),
+                ("context_lens", ctypes.c_void_p), ("out", ctypes.c_void_p), ("out_stride", ctypes.c_int64),
+                ("batch", ctypes.c_int64), ("scale", ctypes.c_float)]
+
+
+def _load() -> ctypes.CDLL | None:
+    return native.load(SOURCE, {name: [ctypes.c_void_p] for name in _SYMBOLS.values()})
+
+
+def available() -> bool:
+    return _load() is not None
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """kv_cache.decode_attention's contract, or None when the kernel does not take these operands."""
+    lib = _load()
+    if (lib is None or q.dtype not in _SYMBOLS or q.device.type != "cpu" or k_cache.dtype != q.dtype
+            or v_cache.dtype != q.dtype or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+            or k_cache.shape != v_cache.shape or q.dim() != 3 or q.stride(2) != 1 or q.stride(1) != q.shape[2]
+            or block_tables.dtype != torch.int64 or block_tables.stride(1) != 1
+            or context_lens.dtype != torch.int64 or not context_lens.is_contiguous()):
+        return None
+    B, H, D = q.shape
+    kv_heads, num_blocks, block_size, head_dim = k_cache.shape
+    if head_dim != D or H % kv_heads or block_tables.shape[0] != B or context_lens.shape[0] != B:
+        raise ValueError(f"decode attention: q {tuple(q.shape)}, cache {tuple(k_cache.shape)}, "
+                         f"block tables {tuple(block_tables.shape)}, context lens {tuple(context_lens.shape)}")
+    out = torch.empty(B, H, D, dtype=q.dtype)
+    args = _Args(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), kv_heads, num_blocks, block_size,
+                 D, H // kv_heads, block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1],
+                 context_lens.data_ptr(), out.data_ptr(), H * D, B, scale)
+    if getattr(lib, _SYMBOLS[q.dtype])(ctypes.addressof(args)) != 0:
+        raise ValueError("decode attention: a context length or a block id is out of range of the KV cache")
+    return out
