@@ -63,3 +63,27 @@ def test_other_dtypes_and_the_graph_safe_path_keep_the_torch_ops():
     assert cpu_attention.decode_attention(q, k, v, tables, lens, scale) is None
     q, k, v, tables, lens, scale = _case(torch.float32)
     assert cpu_attention.decode_attention(q, k.transpose(2, 3), v, tables, lens, scale) is None   # not its layout
+
+
+def _reference(q, k, v, tables, lens, scale):
+    """Float64, sequence by sequence, from the cache blocks the table names."""
+    kv_heads, _, block_size, _ = k.shape
+    group = q.shape[1] // kv_heads
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for b, n in enumerate(lens.tolist()):
+        pos = torch.arange(n)
+        rows = tables[b, pos // block_size] * block_size + pos % block_size
+        for h in range(q.shape[1]):
+            keys = k[h // group].reshape(-1, k.shape[-1])[rows].double()
+            vals = v[h // group].reshape(-1, v.shape[-1])[rows].double()
+            out[b, h] = torch.softmax(keys @ q[b, h].double() * scale, 0) @ vals
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_a_float64_reference(dtype):
+    q, k, v, tables, lens, scale = _case(dtype, kv_heads=2, group=4, head_dim=128, block_size=16, width=4)
+    out = decode_attention(q, k, v, tables, lens, scale, graph_safe=False)
+    # fp32 math inside either way: only bf16's one final rounding (2^-8 relative) separates them.
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=8e-3, atol=4e-3)
+    torch.testing.assert_close(out.double(), _reference(q, k, v, tables, lens, scale), **tol)
