@@ -5,6 +5,8 @@ engine; `load_adapter` reads the PEFT format (safetensors only).
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -144,7 +146,10 @@ def _fp32(name: str, key: str, tensor: torch.Tensor) -> torch.Tensor:
     if not tensor.is_floating_point():
         raise AdapterWeightsError(f"adapter {name!r}: tensor {key!r} has dtype {tensor.dtype}, expected floating point")
     tensor = tensor.to(torch.float32).contiguous()
-    if not torch.isfinite(tensor).all():
+    # min and max are NaN if any value is, +-inf if any value is; one op, where isfinite(...).all()
+    # cost ~60 us a tensor on CPU (an adapter has 2 per module and layer: hot-load time).
+    low, high = torch.aminmax(tensor)
+    if not (math.isfinite(low) and math.isfinite(high)):
         raise AdapterWeightsError(f"adapter {name!r}: tensor {key!r} has non-finite values (nan/inf), "
                                   "expected all finite")
     return tensor

@@ -134,8 +134,8 @@ def renamed(pattern, replacement):
         {re.sub(pattern, replacement, k): state.pop(k) for k in list(state) if re.search(pattern, k)})
 
 
-def nan_at(key):
-    return lambda state: state[key].__setitem__((0, 0), float("nan"))
+def value_at(key, value):
+    return lambda state: state[key].__setitem__((0, 0), value)
 
 
 # (config edit, tensor edit, directory edit, error, fragments of the message besides the adapter name)
@@ -155,7 +155,9 @@ BROKEN = {
     "rank-pattern-disagrees": (lambda c: c.update(rank_pattern={"q_proj": 4}), None, None, AdapterShapeError,
                                [Q_A, "[8, 64]", "expected [4, 64]"]),
     "a-without-b": (None, lambda s: s.pop(Q_B), None, AdapterWeightsError, [Q_A, "lora_B"]),
-    "nan": (None, nan_at(Q_B), None, AdapterWeightsError, [Q_B, "non-finite"]),
+    "nan": (None, value_at(Q_B, float("nan")), None, AdapterWeightsError, [Q_B, "non-finite"]),
+    "inf": (None, value_at(Q_A, float("inf")), None, AdapterWeightsError, [Q_A, "non-finite"]),
+    "-inf": (None, value_at(Q_B, float("-inf")), None, AdapterWeightsError, [Q_B, "non-finite"]),
     "shape": (None, lambda s: s.update({Q_A: s[Q_A][:, :32].contiguous()}), None, AdapterShapeError,
               [Q_A, "[8, 32]", "expected [8, 64]"]),
     "unknown-module": (None, renamed(r"layers\.0\.self_attn\.q_proj", "layers.0.self_attn.qkv_proj"), None,
