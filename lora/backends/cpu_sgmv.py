@@ -43,21 +43,20 @@ class Groups:
         return self.slot.data_ptr(), self.rank.data_ptr(), self.start.data_ptr(), self.rows.data_ptr()
 
 
-# Past this many tokens per adapter (on average) the torch GEMMs, multi-threaded, win.
-KERNEL_MAX_MEAN_TOKENS = 32
-
-
 @functools.lru_cache(maxsize=64)
 def plan_groups(seg_lens: tuple[int, ...], seg_slots: tuple[int, ...], slot_ranks: tuple[int, ...],
                 max_rank: int) -> Groups | None:
-    """The batch's adapters as kernel groups, or None when the torch ops are the better choice."""
+    """The batch's adapters as kernel groups, or None when no token has a LoRA delta.
+
+    The kernel takes every batch it can, long prefill runs of one adapter too: measured with
+    1024 prompt tokens it beat the torch GEMMs (60 against 84 ms of LoRA for one adapter,
+    62 against 154 ms for 26 adapters, bf16, 2 threads).
+    """
     runs = tuple((slot, min(slot_ranks[slot] if slot < len(slot_ranks) else max_rank, max_rank),
                   tuple(t for lo, hi in spans for t in range(lo, hi)))
                  for slot, spans in token_runs(seg_lens, seg_slots).items())
     runs = tuple(run for run in runs if run[1] > 0 and run[2])     # empty slots add exactly zero
-    if not runs or sum(len(rows) for _, _, rows in runs) > KERNEL_MAX_MEAN_TOKENS * len(runs):
-        return None
-    return groups_for(runs)
+    return groups_for(runs) if runs else None
 
 
 @functools.lru_cache(maxsize=64)
