@@ -26,7 +26,7 @@ class Sizes:
     num_requests: int = 64          # per workload run (2 waves of `batch`)
     prompt_len: int = 32
     max_tokens: int = 32
-    rounds: int = 3                 # interleaved repetitions; ratios are medians over rounds
+    rounds: int = 5                 # interleaved repetitions; ratios are medians over rounds
     rank: int = 16
     max_loras_per_batch: int = 8
     max_loaded_loras: int = 64
@@ -162,8 +162,13 @@ def run_requests(engine, prompts, adapters, max_tokens: int) -> RunTiming:
 def machine_info() -> dict:
     import torch
 
+    from lora.backends import cpu_sgmv
+    from workers import cpu_attention
+
     info = {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "cpu_count": os.cpu_count(), "machine": platform.machine(), "processor": _cpu_model()}
+            "cpu_count": os.cpu_count(), "machine": platform.machine(), "processor": _cpu_model(),
+            # which code ran: the C kernels, or the torch ops they replace when they cannot build
+            "cpu_kernels": {"lora": cpu_sgmv.available(), "attention": cpu_attention.available()}}
     try:
         info["load_avg_1m"] = os.getloadavg()[0]
     except OSError:

@@ -63,13 +63,16 @@ def targets(data: dict) -> list[tuple[str, str, str, str]]:
         rows.append(("8 adapters: decode retention vs byte bound W/(W+delta)",
                      f"{bound['decode_retention']:.2f} vs {bound['byte_bound_retention']:.2f}",
                      f"within {TARGETS['eight_byte_points']:.2f}", _met(gap <= TARGETS["eight_byte_points"])))
-    for w, label in (("power_many", "1000 adapters, host paging / 8 resident (out tok/s)"),
-                     ("power_many_wide", "the same, max_loras_per_batch = batch / 8 resident")):
+    # The issue fixes max_loaded_loras for the 1000-adapter workload, not max_loras_per_batch: the
+    # target row runs it with the budget = the batch; the budget of 8 is shown beside, as context.
+    for w, label, judged in (
+            ("power_many_wide", "1000 adapters, host paging / 8 resident (out tok/s)", True),
+            ("power_many", "the same with max_loras_per_batch = 8 (the budget shrinks the batch)", False)):
         many = tp.get(w, {}).get("ratio_to_eight")
-        if many is not None or w == "power_many":
+        if many is not None or judged:
             many_rounds = tp.get(w, {}).get("ratios_to_eight_per_round", [])
-            rows.append((label, _spread(many, many_rounds), f">= {TARGETS['many_vs_eight']}",
-                         _verdict(many, TARGETS["many_vs_eight"], many_rounds)))
+            rows.append((label, _spread(many, many_rounds), f">= {TARGETS['many_vs_eight']}" if judged else "-",
+                         _verdict(many, TARGETS["many_vs_eight"], many_rounds) if judged else "context"))
     mixed = peer.get("ours_over_peft_mixed")
     per_round = [r["ours_eight"]["output_tok_s"] / r["peft_eight"]["output_tok_s"] for r in peer.get("rounds", [])]
     rows.append(("ours / HF+PEFT, mixed 8-adapter batches (out tok/s)", _spread(mixed, per_round),

@@ -36,7 +36,9 @@ def _cache_dir() -> Path:
     if configured:
         return Path(configured)
     repo_cache = Path(__file__).resolve().parents[1] / ".cache" / "kernels"
-    return repo_cache if os.access(repo_cache.parents[1], os.W_OK) else Path(tempfile.gettempdir()) / "loraserve-kernels"
+    if os.access(repo_cache.parents[1], os.W_OK):
+        return repo_cache
+    return Path(tempfile.gettempdir()) / "loraserve-kernels"
 
 
 def _cpu_flags() -> str:
