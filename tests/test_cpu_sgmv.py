@@ -52,7 +52,7 @@ def _groups(token_slots, ranks):
     for slot in token_slots:     # one segment per token: the plan merges them by slot
         lens.append(1)
         slots.append(slot)
-    return cpu_sgmv.plan_groups(tuple(lens), tuple(slots), tuple(ranks), max(ranks))
+    return cpu_sgmv.plan_groups(tuple(lens), tuple(slots), tuple(ranks), max(ranks)).kernel
 
 
 @pytest.mark.parametrize("pattern", TOKEN_PATTERNS)
@@ -89,11 +89,42 @@ def test_fp32_matches_reference(pattern, max_rank):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_plan_groups_merges_segments_and_leaves_out_base_tokens_and_empty_slots():
-    groups = cpu_sgmv.plan_groups((2, 1, 3, 2), (4, -1, 1, 4), (8, 0, 0, 0, 8), 8)
-    assert groups.slot.tolist() == [4] and groups.rows.tolist() == [0, 1, 6, 7]  # slot 1 is empty
-    assert cpu_sgmv.plan_groups((3,), (1,), (0, 0), 8) is None                     # nothing to add
-    assert cpu_sgmv.plan_groups((5, 2), (-1, -1), (8,), 8) is None                  # base tokens only
+def test_plan_merges_segments_and_leaves_out_base_tokens_and_empty_slots():
+    plan = cpu_sgmv.plan_groups((2, 1, 3, 2), (4, -1, 1, 4), (8, 0, 0, 0, 8), 8)
+    assert plan.kernel.slot.tolist() == [4] and plan.kernel.rows.tolist() == [0, 1, 6, 7]  # slot 1 is empty
+    assert plan.torch == ()
+    assert cpu_sgmv.plan_groups((3,), (1,), (0, 0), 8) == cpu_sgmv.Plan(None, ())          # nothing to add
+    assert cpu_sgmv.plan_groups((5, 2), (-1, -1), (8,), 8) == cpu_sgmv.Plan(None, ())      # base tokens only
+
+
+def test_plan_gives_adapters_with_many_tokens_to_torch():
+    many = cpu_sgmv.TORCH_MIN_TOKENS
+    plan = cpu_sgmv.plan_groups((many, 3, 2, many - 2, 4), (0, 1, 2, 1, 2), (8, 8, 8), 8)
+    assert plan.kernel.slot.tolist() == [2] and plan.kernel.rows.tolist() == [many + 3, many + 4] + list(
+        range(2 * many + 3, 2 * many + 7))
+    (slot0, run), (slot1, index) = plan.torch
+    assert (slot0, run) == (0, slice(0, many))                                  # one run: a slice
+    assert slot1 == 1 and index.tolist() == list(range(many, many + 3)) + list(range(many + 5, 2 * many + 3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_step_split_between_torch_and_the_kernel_matches_reference(dtype):
+    from lora.backends.torch_native import TorchNativeBackend
+    from lora.batch import make_batch_info
+    many = cpu_sgmv.TORCH_MIN_TOKENS
+    ranks = [16, 8, 1, 3, 15, 16, 16, 2]
+    a, b, offsets = make_linear_buffers(ranks, 16, IN_DIM, OUT_SIZES, dtype, torch.Generator().manual_seed(9))
+    token_slots = [0] * many + [3, 5, 3] + [5] * (many - 1) + [-1, 7]        # slot 0 a run, 5 scattered
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(len(token_slots), IN_DIM, generator=gen).to(dtype)
+    y = torch.randn(len(token_slots), offsets[-1], generator=gen).to(dtype)
+    info = make_batch_info(token_slots, ranks, 16)
+    plan = cpu_sgmv.plan_groups(info.seg_lens_host, info.seg_slots_host, info.slot_ranks_host, 16)
+    assert [slot for slot, _ in plan.torch] == [0, 5] and plan.kernel.slot.tolist() == [3, 7]
+    expected = ref_add_lora(y.double(), x, a, b, offsets, token_slots)
+    TorchNativeBackend().add_lora(y, x, a, b, offsets, info)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=6e-2)
+    torch.testing.assert_close(y.double(), expected, **tol)
 
 
 def test_bad_operands_are_refused_before_the_kernel_reads_them():

@@ -17,21 +17,24 @@ from lora_reference import (POPULARITY, assign_slots, make_embedding_buffers, ma
 
 SHAPES = {"prefill": [1, 40, 7, 23, 2, 15], "decode": [1] * 16}
 STACKS = {"single": (48,), "qkv": (32, 16, 16), "gate_up": (40, 40)}
-PATHS = {"kernel": False, "control": False, "control-loop": False, "graph": True}
+PATHS = {"kernel": False, "kernel+torch": False, "control": False, "control-loop": False, "graph": True}
 
 
 @pytest.fixture(autouse=True)
 def path_mode(request, monkeypatch):
-    """Control-flow paths: "kernel" is the CPU kernel (lora/backends/cpu_sgmv.c), which must run;
-    "control" the torch ops (batched, padded); "control-loop" the per-adapter loop those replace."""
+    """Control-flow paths: "kernel": the CPU kernel (lora/backends/cpu_sgmv.c) takes every adapter;
+    "kernel+torch": adapters with 8+ tokens go to torch GEMMs, the rest to the kernel (the CPU's
+    split, with a lower threshold so that these small cases mix both); "control": the torch ops
+    (batched, padded); "control-loop": the per-adapter loop those replace."""
     from lora.backends import cpu_sgmv, torch_batched
     callspec = getattr(request.node, "callspec", None)
     path = callspec.params.get("path") if callspec is not None else None
     calls = []
-    if path == "kernel":
+    if path in ("kernel", "kernel+torch"):
         assert cpu_sgmv.available(), "the CPU LoRA kernel did not build (needs a C compiler)"
-        original = cpu_sgmv.sgmv_add
-        monkeypatch.setattr(cpu_sgmv, "sgmv_add", lambda *args: calls.append(1) or original(*args))
+        original = cpu_sgmv._run
+        monkeypatch.setattr(cpu_sgmv, "_run", lambda *args: calls.append(1) or original(*args))
+        monkeypatch.setattr(cpu_sgmv, "TORCH_MIN_TOKENS", 10**6 if path == "kernel" else 8)
     elif path in ("control", "control-loop"):
         monkeypatch.setattr(cpu_sgmv, "available", lambda: False)
     if path == "control-loop":

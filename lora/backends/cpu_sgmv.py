@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from lora import native
+from lora.backends.torch_batched import add_lora_rows
 from lora.batch import token_runs
 
 SOURCE = Path(__file__).with_name("cpu_sgmv.c")
@@ -43,20 +44,35 @@ class Groups:
         return self.slot.data_ptr(), self.rank.data_ptr(), self.start.data_ptr(), self.rows.data_ptr()
 
 
+# An adapter with this many tokens in the batch (a prompt, say) goes to torch's GEMMs: blocked and
+# multi-threaded, they beat the kernel there (1024 tokens of one adapter: 2.8 against 8.7 ms a
+# layer); with fewer, the kernel wins (32 decode tokens of one adapter: ~60 against ~130 us a call).
+TORCH_MIN_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a step's LoRA is split: adapters with few tokens to the kernel, the others to torch."""
+    kernel: Groups | None
+    torch: tuple[tuple[int, slice | torch.Tensor], ...]   # (slot, its rows: one run, or an index)
+
+
 @functools.lru_cache(maxsize=64)
 def plan_groups(seg_lens: tuple[int, ...], seg_slots: tuple[int, ...], slot_ranks: tuple[int, ...],
-                max_rank: int) -> Groups | None:
-    """The batch's adapters as kernel groups, or None when no token has a LoRA delta.
-
-    The kernel takes every batch it can, long prefill runs of one adapter too: measured with
-    1024 prompt tokens it beat the torch GEMMs (60 against 84 ms of LoRA for one adapter,
-    62 against 154 ms for 26 adapters, bf16, 2 threads).
-    """
-    runs = tuple((slot, min(slot_ranks[slot] if slot < len(slot_ranks) else max_rank, max_rank),
-                  tuple(t for lo, hi in spans for t in range(lo, hi)))
-                 for slot, spans in token_runs(seg_lens, seg_slots).items())
-    runs = tuple(run for run in runs if run[1] > 0 and run[2])     # empty slots add exactly zero
-    return groups_for(runs) if runs else None
+                max_rank: int) -> Plan:
+    few, many = [], []
+    for slot, spans in token_runs(seg_lens, seg_slots).items():
+        rank = min(slot_ranks[slot] if slot < len(slot_ranks) else max_rank, max_rank)
+        if rank <= 0:      # an empty slot adds exactly zero
+            continue
+        count = sum(hi - lo for lo, hi in spans)
+        if count < TORCH_MIN_TOKENS:
+            few.append((slot, rank, tuple(t for lo, hi in spans for t in range(lo, hi))))
+        elif len(spans) == 1:
+            many.append((slot, slice(*spans[0])))
+        else:
+            many.append((slot, torch.tensor([t for lo, hi in spans for t in range(lo, hi)], dtype=torch.int64)))
+    return Plan(groups_for(tuple(few)) if few else None, tuple(many))
 
 
 @functools.lru_cache(maxsize=64)
@@ -133,6 +149,29 @@ def _build_layer(a: torch.Tensor, b: tuple[torch.Tensor, ...], offsets: tuple[in
                   (*keep, *arrays))
 
 
+def _usable(a: torch.Tensor, b: Sequence[torch.Tensor], offsets: Sequence[int], max_rank: int, x: torch.Tensor,
+            y: torch.Tensor) -> _Layer | None:
+    layer = _layer(a, b, tuple(offsets), max_rank)
+    if (layer is None or x.dtype != layer.dtype or y.dtype != layer.dtype or x.dim() != 2 or y.dim() != 2
+            or x.shape[1] != layer.in_dim or x.stride(1) != 1 or y.stride(1) != 1 or x.device.type != "cpu"
+            or y.device.type != "cpu"):
+        return None
+    if layer.out_end > y.shape[1]:
+        raise ValueError(f"offsets {list(offsets)} do not fit y {tuple(y.shape)}")
+    return layer
+
+
+def _run(layer: _Layer, x: torch.Tensor, y: torch.Tensor, groups: Groups) -> None:
+    rows_end, slots_end, rank = groups.bounds
+    if rows_end > x.shape[0] or rows_end > y.shape[0] or slots_end > layer.num_slots or rank > layer.max_rank:
+        raise ValueError("LoRA groups index past the batch, the slots or the rank")
+    args = layer.args
+    args.x, args.x_stride, args.y, args.y_stride = x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0)
+    args.group_slot, args.group_rank, args.group_start, args.rows = groups.ptrs
+    if layer.fn(ctypes.addressof(args), groups.num_groups) != 0:
+        raise MemoryError("CPU LoRA kernel: out of memory for its scratch buffers")
+
+
 def sgmv_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: Sequence[torch.Tensor],
              offsets: Sequence[int], groups: Groups, max_rank: int) -> bool:
     """y[t, offsets[s]:offsets[s+1]] += x[t] @ a[l, s*R:(s+1)*R].T @ b[s][l].T for each group's rows t, slot l.
@@ -140,31 +179,28 @@ def sgmv_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: Sequence[torc
     False (nothing done) when the operands are not a layout the kernel reads.
     """
     assert available(), "call available() first"
-    layer = _layer(a, b, tuple(offsets), max_rank)
-    if (layer is None or x.dtype != layer.dtype or y.dtype != layer.dtype or x.dim() != 2 or y.dim() != 2
-            or x.shape[1] != layer.in_dim or x.stride(1) != 1 or y.stride(1) != 1 or x.device.type != "cpu"
-            or y.device.type != "cpu"):
+    layer = _usable(a, b, offsets, max_rank, x, y)
+    if layer is None:
         return False
-    rows_end, slots_end, rank = groups.bounds
-    if rows_end > x.shape[0] or rows_end > y.shape[0] or slots_end > layer.num_slots or rank > layer.max_rank:
-        raise ValueError("LoRA groups index past the batch, the slots or the rank")
-    if layer.out_end > y.shape[1]:
-        raise ValueError(f"offsets {list(offsets)} do not fit y {tuple(y.shape)}")
-    args = layer.args
-    args.x, args.x_stride, args.y, args.y_stride = x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0)
-    args.group_slot, args.group_rank, args.group_start, args.rows = groups.ptrs
-    if layer.fn(ctypes.addressof(args), groups.num_groups) != 0:
-        raise MemoryError("CPU LoRA kernel: out of memory for its scratch buffers")
+    _run(layer, x, y, groups)
     return True
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: Sequence[torch.Tensor], offsets: Sequence[int],
              info) -> bool:
-    """The backend's entry: True when the kernel did the step's LoRA for this layer, False to use torch ops."""
+    """The backend's entry: True when this layer's LoRA is done (kernel and, for adapters with many
+    tokens, torch GEMMs), False when the kernel does not take these operands (use the torch ops)."""
     if not available():
         return False
-    groups = info.memo.get("cpu_sgmv", info.memo)
-    if groups is info.memo:   # once per step, not per layer
-        groups = info.memo["cpu_sgmv"] = plan_groups(info.seg_lens_host, info.seg_slots_host,
-                                                     info.slot_ranks_host, info.max_rank)
-    return groups is not None and sgmv_add(y, x, a, b, offsets, groups, info.max_rank)
+    plan = info.memo.get("cpu_sgmv")
+    if plan is None:   # once per step, not per layer
+        plan = info.memo["cpu_sgmv"] = plan_groups(info.seg_lens_host, info.seg_slots_host,
+                                                   info.slot_ranks_host, info.max_rank)
+    layer = _usable(a, b, offsets, info.max_rank, x, y)
+    if layer is None:
+        return False
+    for slot, rows in plan.torch:
+        add_lora_rows(y, x, a[slot], [b_s[slot] for b_s in b], offsets, rows, info.max_rank)
+    if plan.kernel is not None:
+        _run(layer, x, y, plan.kernel)
+    return True

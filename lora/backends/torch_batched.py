@@ -83,7 +83,7 @@ def add_lora_batched(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: Seque
     """
     n, m, R = layout.num_slots, layout.max_len, max_rank
     if n == 1 and layout.rows is not None and y.dtype == a.dtype:
-        _add_lora_run(y, x, a[layout.first_slot], [b_s[layout.first_slot] for b_s in b], offsets, layout.rows, R)
+        add_lora_rows(y, x, a[layout.first_slot], [b_s[layout.first_slot] for b_s in b], offsets, layout.rows, R)
         return
     slots = slice(layout.first_slot, layout.first_slot + n)
     if layout.rows is not None:
@@ -100,13 +100,20 @@ def add_lora_batched(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: Seque
             out.add_(F.pad(delta, (0, 0, 0, 1)).index_select(0, layout.scatter))
 
 
-def _add_lora_run(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: Sequence[torch.Tensor],
-                  offsets: Sequence[int], rows: slice, R: int) -> None:
-    """One adapter's contiguous run of rows (one adapter for the whole batch, say): 2-D GEMMs,
-    the expand accumulated in place by addmm_ (one op per slice instead of a bmm and an add_,
-    and one rounding instead of two); a [tokens, in] @ [in, stack*R] shrink and
-    [tokens, R] @ [R, out_s] expands are dispatch-bound on CPU, so fewer ops is what counts."""
-    h = x[rows] @ a.T
-    out = y[rows]
+def add_lora_rows(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: Sequence[torch.Tensor],
+                  offsets: Sequence[int], rows: slice | torch.Tensor, R: int) -> None:
+    """One adapter (a [stack*R, in], b[s] [out_s, R]) over its rows (a run, or an index): 2-D GEMMs.
+
+    With many tokens these are the efficient GEMMs they look like. A run accumulates the expand
+    in place by addmm_ (one op per slice instead of a bmm and an add_, one rounding instead of
+    two); scattered rows are gathered once and their deltas index_add_-ed back.
+    """
+    if isinstance(rows, slice):
+        h = x[rows] @ a.T
+        out = y[rows]
+        for s, b_s in enumerate(b):
+            out[:, offsets[s]:offsets[s + 1]].addmm_(h[:, s * R:(s + 1) * R], b_s.T)
+        return
+    h = x.index_select(0, rows) @ a.T
     for s, b_s in enumerate(b):
-        out[:, offsets[s]:offsets[s + 1]].addmm_(h[:, s * R:(s + 1) * R], b_s.T)
+        y[:, offsets[s]:offsets[s + 1]].index_add_(0, rows, h[:, s * R:(s + 1) * R] @ b_s.T)
