@@ -154,19 +154,31 @@ class SlotPool:
             raise ValueError(
                 f"adapter {adapter.name!r}: rank {adapter.rank} > max_lora_rank {self.max_rank}")
         pieces = [self._prepare(adapter.name, key, weights) for key, weights in adapter.weights.items()]
-        self.clear(slot)
-        for (layer, group, s), a, b in pieces:
+        # Zero only what the pieces leave: a slice they fill at full rank needs no clearing (with
+        # every module at max rank, nothing); this and the copies below run on the step's thread.
+        full = {key for key, a, _, _ in pieces if a.shape[0] == self.max_rank}
+        for (layer, group), (buf_a, buf_b) in self.buffers.items():
+            for s, b_s in enumerate(buf_b):
+                if (layer, group, s) not in full:
+                    self._slice(buf_a, group, slot, s).zero_()
+                    b_s[slot].zero_()
+        for (layer, group, s), a, b, scaling in pieces:
             r = a.shape[0]
             buf_a, buf_b = self.buffers[(layer, group)]
             if group == "embed_tokens":
                 buf_a[slot, :, :r].copy_(a.T)
             else:
                 buf_a[slot, s * self.max_rank:s * self.max_rank + r].copy_(a)
-            buf_b[s][slot, :, :r].copy_(b)
+            # scaled in fp32 and rounded once, straight into the slot (no temporary)
+            torch.mul(b.float(), scaling, out=buf_b[s][slot, :, :r])
         self.slot_ranks[slot] = adapter.rank
 
+    def _slice(self, buf_a: torch.Tensor, group: str, slot: int, s: int) -> torch.Tensor:
+        """Slot `slot`'s slice `s` of an A buffer (embed_tokens: the whole [vocab, R] block)."""
+        return buf_a[slot] if group == "embed_tokens" else buf_a[slot, s * self.max_rank:(s + 1) * self.max_rank]
+
     def _prepare(self, name: str, key: tuple[int, str], weights: LoRAWeights):
-        """Shard, check and scale one module's weights: ((layer, group, slice), a, b * scaling)."""
+        """Shard and check one module's weights: ((layer, group, slice), a, b, scaling)."""
         layer, module = key
         if module not in MODULE_GROUPS:
             raise ValueError(f"adapter {name!r}: unknown module {module!r}")
@@ -185,7 +197,7 @@ class SlotPool:
         if tuple(a.shape) != expected_a or tuple(b.shape) != expected_b:
             raise ValueError(f"adapter {name!r}: {module!r} layer {layer} local shapes "
                              f"a {tuple(a.shape)} b {tuple(b.shape)}, expected {expected_a} {expected_b}")
-        return (layer, group, s), a, b.float() * weights.scaling
+        return (layer, group, s), a, b, weights.scaling
 
     def clear(self, slot: int) -> None:
         """Zero the slot (rank 0): an empty slot adds exactly zero."""

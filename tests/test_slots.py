@@ -155,6 +155,22 @@ def test_smaller_adapter_overwrites_in_place_with_zero_fill():
         assert all(torch.equal(t, u[1]) for t, u in zip(before_slot1[(layer, group)], (a, *b)))
 
 
+def test_a_full_rank_adapter_over_another_leaves_nothing_of_it():
+    """Slices a new adapter fills at full rank are not cleared first; every other one must be."""
+    R = 8
+    pool = make_pool(R, num_slots=1)
+    pool.load(0, make_adapter(R, name="everything"))
+    q_only = make_adapter(R, modules=("q_proj",), scaling=1.0, name="q-only")
+    pool.load(0, q_only)
+    for (layer, group), (a, b) in pool.buffers.items():
+        if group == "qkv_proj":
+            torch.testing.assert_close(a[0, :R], q_only.weights[(layer, "q_proj")].lora_a)
+            torch.testing.assert_close(b[0][0], q_only.weights[(layer, "q_proj")].lora_b)
+            assert not a[0, R:].any() and not b[1][0].any() and not b[2][0].any()   # k and v: gone
+        else:
+            assert not a[0].any() and not any(t[0].any() for t in b)
+
+
 def test_embedding_is_stored_transposed():
     pool = make_pool(8)
     adapter = make_adapter(5, modules=("embed_tokens", "lm_head"), scaling=3.0)
