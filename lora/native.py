@@ -1,4 +1,4 @@
-"""Builds and loads the repo's small C kernels (lora/backends/cpu_sgmv.c, workers/cpu_attention.c).
+"""Builds and loads the repo's small C kernels (lora/backends/cpu_sgmv.c, workers/cpu_attention.c; native.h).
 
 Plain C, no torch headers: the system C compiler builds one in about a second, on first use,
 into `.cache/kernels/` of the checkout (or LORASERVE_KERNEL_DIR), keyed by the source, the flags
@@ -27,6 +27,7 @@ import torch  # noqa: F401  (loaded first: the kernels' libgomp.so.1 must resolv
 logger = logging.getLogger(__name__)
 
 FLAGS = ("-O3", "-fopenmp", "-ffp-contract=fast", "-shared", "-fPIC")
+HEADER = Path(__file__).with_name("native.h")   # included by every kernel: part of each build's key
 _lock = threading.Lock()
 _loaded: dict[Path, ctypes.CDLL | None] = {}
 
@@ -51,8 +52,9 @@ def _cpu_flags() -> str:
 
 def _build(source: Path) -> Path:
     flags = (*FLAGS, f"-march={os.environ.get('LORASERVE_KERNEL_ARCH', 'native')}")
-    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode() + platform.machine().encode()
-                         + _cpu_flags().encode()).hexdigest()[:16]
+    parts = (source.read_bytes(), HEADER.read_bytes(), " ".join(flags).encode(), platform.machine().encode(),
+             _cpu_flags().encode())
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     target = _cache_dir() / f"{source.stem}-{key}.so"
     if target.exists():
         return target

@@ -16,6 +16,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../lora/native.h"
+
 typedef struct {
     const void *q;
     int64_t q_stride;
@@ -28,24 +30,6 @@ typedef struct {
     int64_t out_stride, batch;
     float scale;
 } attn_args;
-
-static inline float bf16_load(uint16_t v) {
-    uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t bf16_store(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-static inline float f32_load(float v) { return v; }
-static inline float f32_store(float f) { return f; }
 
 #define DEFINE_ATTENTION(NAME, T, LOAD, STORE)                                                      \
 static int NAME(const attn_args *p) {                                                                      \
@@ -125,25 +109,7 @@ DEFINE_ATTENTION(decode_attention_bf16_portable, uint16_t, bf16_load, bf16_store
 DEFINE_ATTENTION(decode_attention_f32_portable, float, f32_load, f32_store)
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-#include <immintrin.h>
 #include <omp.h>
-
-/* lane i = sum of the 16 lanes of v[i] */
-static inline __m512 reduce16(__m512 *v) {
-    __m512 u[8], w[4];
-    for (int k = 0; k < 8; k++)
-        u[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
-    for (int k = 0; k < 4; k++) {
-        __m512d a = _mm512_castps_pd(u[2 * k]), b = _mm512_castps_pd(u[2 * k + 1]);
-        w[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-    }
-    __m512 x0 = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                              _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
-    __m512 x1 = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                              _mm512_shuffle_f32x4(w[2], w[3], _MM_SHUFFLE(3, 1, 3, 1)));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(x0, x1, _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(x0, x1, _MM_SHUFFLE(3, 1, 3, 1)));
-}
 
 /* exp(x) for x <= 0: 2^n * 2^f, f in [-1/2, 1/2], 2^f by its degree-6 Taylor polynomial
  * (relative error < 4e-6 down to x = -100, measured); far below the smallest float it is 0. */
@@ -159,10 +125,6 @@ static inline __m512 exp_neg(__m512 x) {
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
     return _mm512_scalef_ps(p, _mm512_max_ps(n, _mm512_set1_ps(-200.f)));
-}
-
-static inline __m512 load_bf16x16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
 /* bf16, head_dim a multiple of 32, at most 16 query heads per kv head: q . k by the bf16 dot
@@ -227,7 +189,7 @@ static int decode_attention_bf16_fast(const attn_args *p) {
             for (int64_t t = 0; t < ctx; t++) {
                 const uint16_t *vr = vh + (table[t / bs] * bs + t % bs) * D;
                 for (int64_t c = 0; c < D; c += 16) {
-                    const __m512 vv = load_bf16x16(vr + c);
+                    const __m512 vv = load_bf16(vr + c, 16);
                     for (int64_t g = 0; g < G; g++) {
                         float *ag = acc + g * D + c;
                         _mm512_storeu_ps(ag, _mm512_fmadd_ps(_mm512_set1_ps(s[g * (max_ctx + 16) + t]), vv,

@@ -18,6 +18,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../native.h"
+
 typedef struct {                   /* one call's operands; pointers to T (bf16 or fp32) */
     const void *x;
     int64_t x_stride, in_dim;
@@ -30,23 +32,16 @@ typedef struct {                   /* one call's operands; pointers to T (bf16 o
     const int64_t *group_slot, *group_rank, *group_start, *rows;
 } sgmv_args;
 
-static inline float bf16_load(uint16_t v) {
-    uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t bf16_store(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-static inline float f32_load(float v) { return v; }
-static inline float f32_store(float f) { return f; }
+/* The operands of sgmv_args as locals of element type T, for the typed range functions below. */
+#define SGMV_OPERANDS(T)                                                                             \
+    const T *x = args->x, *a = args->a, *const *b = (const T *const *)args->b;                       \
+    T *y = args->y;                                                                                  \
+    const int64_t x_stride = args->x_stride, in_dim = args->in_dim, a_slot_stride = args->a_slot_stride; \
+    const int64_t stack = args->stack, R = args->R, y_stride = args->y_stride;                       \
+    const int64_t *out_dims = args->out_dims, *y_offsets = args->y_offsets, *rows = args->rows;      \
+    const int64_t *group_slot = args->group_slot, *group_rank = args->group_rank;                    \
+    const int64_t *group_start = args->group_start;                                                  \
+    const int64_t SR = stack * R;
 
 #define CHUNK 32 /* tokens of one adapter processed together: their h stays in L1 */
 
@@ -56,51 +51,9 @@ static inline float f32_store(float f) { return f; }
 
 #define MAX_STACK 8
 
-/* 16 elements (or the first `n`) as fp32 lanes; the rest are zero. */
-static inline __m512 load_bf16(const uint16_t *p, int n) {
-    __m256i v = _mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1u), p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
-static inline __m512 load_f32(const float *p, int n) { return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1u), p); }
-
-static inline void store_bf16(uint16_t *p, __m512 v) {
-    /* round to nearest even, as torch does; NaN stays NaN (quiet bit set) */
-    __m512i u = _mm512_castps_si512(v);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
-    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(r));
-}
-static inline void store_f32(float *p, __m512 v) { _mm512_storeu_ps(p, v); }
-
-/* lane i = sum of the 16 lanes of v[i] */
-static inline __m512 reduce16(__m512 *v) {
-    __m512 u[8], w[4];
-    for (int k = 0; k < 8; k++)
-        u[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
-    for (int k = 0; k < 4; k++) {
-        __m512d a = _mm512_castps_pd(u[2 * k]), b = _mm512_castps_pd(u[2 * k + 1]);
-        w[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-    }
-    __m512 x0 = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                              _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
-    __m512 x1 = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                              _mm512_shuffle_f32x4(w[2], w[3], _MM_SHUFFLE(3, 1, 3, 1)));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(x0, x1, _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(x0, x1, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
 #define DEFINE_SGMV(NAME, T, LOAD, STORE, LOAD16, STORE16)                                            \
 static int NAME##_range(const sgmv_args *args, int64_t g_begin, int64_t g_end) {                  \
-    const T *x = args->x, *a = args->a, *const *b = (const T *const *)args->b;                       \
-    T *y = args->y;                                                                                  \
-    const int64_t x_stride = args->x_stride, in_dim = args->in_dim, a_slot_stride = args->a_slot_stride; \
-    const int64_t stack = args->stack, R = args->R, y_stride = args->y_stride;                       \
-    const int64_t *out_dims = args->out_dims, *y_offsets = args->y_offsets, *rows = args->rows;      \
-    const int64_t *group_slot = args->group_slot, *group_rank = args->group_rank;                    \
-    const int64_t *group_start = args->group_start;                                                  \
-    const int64_t SR = stack * R;                                                                    \
+    SGMV_OPERANDS(T)                                                                                 \
     float *h = malloc(sizeof(float) * CHUNK * SR), *xf = malloc(sizeof(float) * CHUNK * in_dim);     \
     if (!h || !xf) { free(h); free(xf); return 1; }                                                 \
     for (int64_t g = g_begin; g < g_end; g++) {                                                       \
@@ -176,14 +129,7 @@ DEFINE_SGMV(sgmv_f32, float, f32_load, f32_store, load_f32, store_f32)
 
 #define DEFINE_SGMV(NAME, T, LOAD, STORE)                                                              \
 static int NAME##_range(const sgmv_args *args, int64_t g_begin, int64_t g_end) {                  \
-    const T *x = args->x, *a = args->a, *const *b = (const T *const *)args->b;                       \
-    T *y = args->y;                                                                                  \
-    const int64_t x_stride = args->x_stride, in_dim = args->in_dim, a_slot_stride = args->a_slot_stride; \
-    const int64_t stack = args->stack, R = args->R, y_stride = args->y_stride;                       \
-    const int64_t *out_dims = args->out_dims, *y_offsets = args->y_offsets, *rows = args->rows;      \
-    const int64_t *group_slot = args->group_slot, *group_rank = args->group_rank;                    \
-    const int64_t *group_start = args->group_start;                                                  \
-    const int64_t SR = stack * R;                                                                    \
+    SGMV_OPERANDS(T)                                                                                 \
     float *h = malloc(sizeof(float) * CHUNK * SR);                                                  \
     float *bo = malloc(sizeof(float) * R);                                                          \
     if (!h || !bo) { free(h); free(bo); return 1; }                                                \
@@ -242,19 +188,12 @@ static inline __m512bh load_pairs(const uint16_t *p, int64_t n) {  /* first n (<
 /* v[k] holds rows 2k (lanes 0-7) and 2k+1 (lanes 8-15) as 8 partial sums each; lane i of the
  * result = the sum of row i. */
 static inline __m512 reduce_pairs8(const __m512 *v) {
-    __m512 u[4], w[2];
-    for (int k = 0; k < 4; k++)
-        u[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
-    for (int k = 0; k < 2; k++) {
-        __m512d a = _mm512_castps_pd(u[2 * k]), b = _mm512_castps_pd(u[2 * k + 1]);
-        w[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-    }
-    /* blocks: w[k] block b = [S(v[4k], b) .. S(v[4k+3], b)]; rows 2j sum blocks 0, 1 of v[j], rows 2j+1 blocks 2, 3 */
-    __m512 z = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                             _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
-    /* z = rows [0 2 4 6 | 1 3 5 7 | 8 10 12 14 | 9 11 13 15] */
+    const __m512 w0 = pair_sum_pd(pair_sum_ps(v[0], v[1]), pair_sum_ps(v[2], v[3]));
+    const __m512 w1 = pair_sum_pd(pair_sum_ps(v[4], v[5]), pair_sum_ps(v[6], v[7]));
+    /* blocks: w[k] block b = [S(v[4k], b) .. S(v[4k+3], b)]; row 2j sums blocks 0, 1 of v[j], row 2j+1
+     * blocks 2, 3; so block_sum gives rows [0 2 4 6 | 1 3 5 7 | 8 10 12 14 | 9 11 13 15] */
     const __m512i order = _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
-    return _mm512_permutexvar_ps(order, z);
+    return _mm512_permutexvar_ps(order, block_sum(w0, w1));
 }
 
 /* Shrink rows q = s * R + j in [q0, q1) of one chunk of one adapter's tokens into bf16 h
