@@ -1,8 +1,8 @@
 """Builds and loads the repo's small C kernels (lora/backends/cpu_sgmv.c, workers/cpu_attention.c; native.h).
 
 Plain C, no torch headers: the system C compiler builds one in about a second, on first use,
-into `.cache/kernels/` of the checkout (or LORASERVE_KERNEL_DIR), keyed by the source, the flags
-and the CPU. `-fopenmp` links libgomp.so.1, which resolves to the copy torch has already
+into `.cache/kernels/` of the checkout (installed: ~/.cache/loraserve/kernels; or
+LORASERVE_KERNEL_DIR), keyed by the source, the header, the flags and the CPU. `-fopenmp` links libgomp.so.1, which resolves to the copy torch has already
 loaded: a kernel's threads are torch's own pool (a pool of its own would fight torch's
 spinning workers for the cores). If there is no compiler, or LORASERVE_CPU_KERNEL=0, `load`
 returns None, a warning says why, and the callers use torch ops (same results, slower).
@@ -36,10 +36,11 @@ def _cache_dir() -> Path:
     configured = os.environ.get("LORASERVE_KERNEL_DIR")
     if configured:
         return Path(configured)
-    repo_cache = Path(__file__).resolve().parents[1] / ".cache" / "kernels"
-    if os.access(repo_cache.parents[1], os.W_OK):
-        return repo_cache
-    return Path(tempfile.gettempdir()) / "loraserve-kernels"
+    checkout = Path(__file__).resolve().parents[1]
+    if (checkout / "pyproject.toml").exists() and os.access(checkout, os.W_OK):   # a source checkout
+        return checkout / ".cache" / "kernels"
+    user_cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")   # an installed package
+    return user_cache / "loraserve" / "kernels"
 
 
 def _cpu_flags() -> str:
