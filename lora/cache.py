@@ -9,6 +9,7 @@ effect for it at the last `release`.
 from __future__ import annotations
 
 import collections
+import itertools
 import concurrent.futures
 import threading
 import time
@@ -46,6 +47,10 @@ class HostAdapterCache:
         self._counts = dict(hits=0, misses=0, loads=0, evictions=0, load_failures=0)
         self._load_seconds_total = 0.0
         self._recent_load_seconds: collections.deque[float] = collections.deque(maxlen=RECENT_LOADS)
+        # name -> id of its resident copy's read from disk, new at every read: what other processes
+        # keyed by it (tensor-parallel ranks) must read again to hold the same weights
+        self._load_ids: dict[str, int] = {}
+        self._next_load_id = itertools.count(1)
 
     # -- registry ---------------------------------------------------------
 
@@ -88,6 +93,11 @@ class HostAdapterCache:
     def is_registered(self, name: str) -> bool:
         with self._lock:
             return name in self._sources
+
+    def load_id(self, name: str) -> int:
+        """Which read of `name`'s files the resident copy is (0: never read); changes with every read."""
+        with self._lock:
+            return self._load_ids.get(name, 0)
 
     def registered(self) -> dict[str, str]:
         with self._lock:
@@ -175,6 +185,7 @@ class HostAdapterCache:
             return None  # unregistered or re-registered elsewhere while loading
         if name not in self._resident:  # keep a copy already there: it may be referenced
             self._resident[name] = adapter
+            self._load_ids[name] = next(self._next_load_id)
         self._resident.move_to_end(name)
         self._evict(keep=name)
         return self._resident[name]

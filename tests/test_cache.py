@@ -127,6 +127,23 @@ def test_evicted_adapter_is_reloaded_from_its_source(make_cache):
     assert loader.calls == [("a", "/adapters/a"), ("b", "/adapters/b"), ("a", "/adapters/a")]
 
 
+def test_every_read_from_disk_gets_a_new_load_id(make_cache):
+    """Other processes key their own copies by it: a resident hit keeps it, any new read moves it."""
+    cache = make_cache(1)
+    assert cache.load_id("a") == 0                      # never read
+    cache.load_now("a")
+    first = cache.load_id("a")
+    cache.load_now("a")
+    assert cache.load_id("a") == first                  # resident: the same read
+    cache.load_now("b")                                 # evicts a
+    cache.load_now("a")                                 # paged back in: read again
+    second = cache.load_id("a")
+    cache.unregister("a")
+    cache.register("a", "/adapters/a")
+    cache.load_now("a")                                 # reloaded by the user: read again
+    assert len({first, second, cache.load_id("a"), cache.load_id("b")}) == 4
+
+
 @pytest.mark.parametrize("error", [AdapterError("adapter 'a': rank 99 > 64"), OSError("disk")])
 def test_failed_load_surfaces_once_then_retries(make_cache, error):
     loader = FakeLoader()

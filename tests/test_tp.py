@@ -168,6 +168,36 @@ def test_killed_rank_fails_waiting_caller_fast(setup):
         engine.close()
 
 
+@pytest.mark.parametrize("setup", ["llama"], indirect=True)
+def test_adapter_files_read_again_reach_every_rank(setup, tmp_path):
+    """New files at the same path, unloaded and loaded again: every rank serves the new weights.
+
+    The ranks keep their own copies of adapters; they must not keep serving the old ones.
+    """
+    _, path, adapters, expected, _ = setup
+    only_r8 = [(p, "r8") for p in PROMPTS[:4]]
+    source = tmp_path / "r8"
+    shutil.copytree(adapters["r8"], source)
+    engine = make_engine(path, {"r8": source}, tensor_parallel_size=2)
+    try:
+        before = [o.token_ids for o in generate(engine, only_r8)]
+        make_adapter(path, source, seed=77, **ADAPTERS["r8"])      # retrained, saved in place
+        engine.unload_adapter("r8")
+        engine.load_adapter("r8", str(source))
+        after = generate(engine, only_r8)
+    finally:
+        engine.close()
+    reference = make_engine(path, {"r8": source})                  # TP=1, the new files only
+    try:
+        wanted = generate(reference, only_r8)
+    finally:
+        reference.close()
+    assert [o.token_ids for o in wanted] != before, "the new weights must change the output"
+    for out, ref in zip(after, wanted):
+        assert out.token_ids == ref.token_ids
+        assert max(abs(a - b) for a, b in zip(out.logprobs, ref.logprobs)) < 1e-4
+
+
 @pytest.mark.parametrize("arch,overrides", [("qwen3", dict(num_key_value_heads=1)), ("llama", {}),
                                             ("llama", dict(vocab_size=383))])
 def test_lora_shard_tiles_full_tensors(arch, overrides):

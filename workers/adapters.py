@@ -89,11 +89,11 @@ class AdapterManager:
         self.cache.release(name)
         self._forget_if_unused(name)
 
-    def assign_slots(self, names: set[str]) -> list[tuple[int, str, str]]:
-        """Give every adapter of the batch a slot; returns the loads (slot, name, source)."""
+    def assign_slots(self, names: set[str]) -> list[tuple[int, str, str, int]]:
+        """Give every adapter of the batch a slot; returns the loads (slot, name, source, load id)."""
         loads = self.slots.assign(sorted(names), pinned=self.pinned)
         registered = self.cache.registered()
-        return [(slot, name, registered[name]) for slot, name in loads]
+        return [(slot, name, registered[name], self.cache.load_id(name)) for slot, name in loads]
 
     def slot_of(self, name: str | None) -> int:
         return -1 if name is None else self.slots.slot_of(name)

@@ -178,7 +178,7 @@ class LLMEngine:
         return [RequestOutput.of(seq) for seq in seqs]
 
     # ---- adapters ------------------------------------------------------------
-    def _resident_adapter(self, name: str, source: str):
+    def _resident_adapter(self, name: str, source: str, load_id: int):
         adapter = self.adapters.cache.get(name)
         assert adapter is not None, f"adapter {name!r} scheduled but not resident"
         return adapter

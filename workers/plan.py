@@ -12,7 +12,9 @@ class StepPlan:
     seq_lens: list[int]             # prefill: tokens of each seq; decode: context length incl. the new token
     block_tables: list[list[int]]
     lora_slots: list[int]           # per seq, -1 = base model
-    lora_loads: list[tuple[int, str, str]] = field(default_factory=list)   # (slot, adapter, source) to load first
+    # (slot, adapter, source, load id) to load first; the load id names the controller's read of the
+    # files, so a rank's own copy keyed by it is re-read whenever the controller's was
+    lora_loads: list[tuple[int, str, str, int]] = field(default_factory=list)
     temperatures: list[float] = field(default_factory=list)
     top_ks: list[int] = field(default_factory=list)
     top_ps: list[float] = field(default_factory=list)

@@ -75,7 +75,7 @@ def lora_shard(model: LlamaForCausalLM):
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, runtime: RuntimeInfo, platform: Platform, tp: TPGroup,
-                 device: torch.device, get_adapter: Callable[[str, str], LoRAAdapter] | None = None):
+                 device: torch.device, get_adapter: Callable[[str, str, int], LoRAAdapter] | None = None):
         self.config, self.runtime, self.platform, self.tp, self.device = config, runtime, platform, tp, device
         self.dtype = TORCH_DTYPES[runtime.dtype]
         cfg = runtime.hf_config
@@ -121,8 +121,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> tuple[list[int], list[float]]:
-        for slot, name, source in plan.lora_loads:
-            self.slot_pool.load(slot, self.get_adapter(name, source))
+        for slot, name, source, load_id in plan.lora_loads:
+            self.slot_pool.load(slot, self.get_adapter(name, source, load_id))
         logits = self._prefill(plan) if plan.is_prefill else self._decode(plan)
         tensors = SamplingTensors.from_lists(plan.temperatures, plan.top_ks, plan.top_ps, plan.seeds, plan.steps,
                                              self.vocab_size, self.device)

@@ -18,7 +18,7 @@ from workers.runner import ModelRunner, RuntimeInfo
 
 class Worker:
     def __init__(self, config: EngineConfig, runtime: RuntimeInfo, platform: Platform,
-                 get_adapter: Callable[[str, str], LoRAAdapter], tp: TPGroup = TPGroup(), device_index: int = 0):
+                 get_adapter: Callable[[str, str, int], LoRAAdapter], tp: TPGroup = TPGroup(), device_index: int = 0):
         platform.set_device(device_index)
         self.runner = ModelRunner(config, runtime, platform, tp, platform.torch_device(device_index), get_adapter)
 
@@ -42,15 +42,17 @@ class Worker:
                 "kv_cache": runner.kv_cache.k.nbytes + runner.kv_cache.v.nbytes}
 
 
-def adapter_loader(config: EngineConfig, hf_config) -> Callable[[str, str], LoRAAdapter]:
-    """A remote rank's own host copy of adapters: plans name (slot, adapter, source), never ship tensors.
+def adapter_loader(config: EngineConfig, hf_config) -> Callable[[str, str, int], LoRAAdapter]:
+    """A remote rank's own host copy of adapters: plans name (slot, adapter, source, load id), never ship tensors.
 
-    LRU of `max_loaded_loras`, keyed by (name, source), like the engine's host cache.
+    LRU of `max_loaded_loras`, keyed by (name, source, load id): the controller's host cache gives
+    every read of an adapter's files a new id, so when it reads them again (the adapter reloaded,
+    or evicted and paged back in) every rank does too, instead of keeping weights from before.
     """
     spec = model_spec_from_hf_config(hf_config.to_dict(), config.lora_target_modules)
 
     @functools.lru_cache(maxsize=config.max_loaded_loras)
-    def get_adapter(name: str, source: str) -> LoRAAdapter:
+    def get_adapter(name: str, source: str, load_id: int) -> LoRAAdapter:
         return load_adapter(name, source, spec, max_lora_rank=config.max_lora_rank,
                             adapter_roots=config.adapter_roots or None)
 
