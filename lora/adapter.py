@@ -82,12 +82,12 @@ def model_spec_from_hf_config(cfg_dict: dict, modules: Iterable[str] = SUPPORTED
 
 
 def load_adapter(name: str, source: str, spec: LoRAModelSpec, *, max_lora_rank: int,
-                 adapter_roots: Sequence[str] | None = None) -> LoRAAdapter:
+                 adapter_roots: Sequence[str] | None = None, allow_hub: bool = True) -> LoRAAdapter:
     """Read and validate the PEFT adapter at `source` (local directory or Hub `org/name[@revision]`).
 
     Raises an `AdapterError` subclass naming the adapter, the field and the limit.
     """
-    directory, roots = resolve_source(name, source, adapter_roots)
+    directory, roots = resolve_source(name, source, adapter_roots, allow_hub)
     settings = read_settings(name, directory, roots)
     weights = {}
     for pair in read_tensor_pairs(name, directory, roots):

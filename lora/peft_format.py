@@ -54,10 +54,15 @@ _TENSOR_KEY = re.compile(
 _LAYER_INDEX = re.compile(r"(?:.*\.)?layers\.(\d+)\..+")
 
 
-def resolve_source(name: str, source: str, adapter_roots: Sequence[str] | None) -> tuple[Path, Sequence[str]]:
+def resolve_source(name: str, source: str, adapter_roots: Sequence[str] | None,
+                   allow_hub: bool = True) -> tuple[Path, Sequence[str]]:
     """The directory holding the adapter, and the roots its files must stay inside."""
     path = Path(source)
     if _HUB_ID.fullmatch(source) and not path.exists():
+        if not allow_hub:
+            raise AdapterPathError(f"adapter {name!r}: {source!r} is not a local directory and Hub ids are "
+                                   f"not allowed here (adapter_roots {list(adapter_roots or [])}; "
+                                   "allow_hub_adapters=True permits them)")
         # Hub snapshots live in the HF cache, which the roots do not restrict.
         return _snapshot(name, source), ()
     roots = adapter_roots or ()

@@ -236,11 +236,29 @@ def offline_hub(good, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("source", ["acme/tiny-lora", "acme/tiny-lora@v1", f"acme/tiny-lora@{COMMIT}"])
 def test_hub_id_from_offline_cache(spec, good, tmp_path, offline_hub, source):
-    # Roots restrict local paths only; a Hub id is allowed regardless.
+    # Roots restrict local paths only; a Hub id passes them (the engine refuses it by default then:
+    # see test_hub_ids_can_be_refused).
     adapter = load_adapter(NAME, source, spec, max_lora_rank=8, adapter_roots=[str(tmp_path / "root")])
     local = load_adapter(NAME, str(good), spec, max_lora_rank=8)
     assert adapter.source == source and adapter.weights.keys() == local.weights.keys()
     assert all(torch.equal(adapter.weights[k].lora_b, local.weights[k].lora_b) for k in local.weights)
+
+
+def test_hub_ids_can_be_refused(spec, good, tmp_path, offline_hub):
+    """The engine refuses them when adapter_roots is set (EngineConfig.hub_adapters_allowed)."""
+    with pytest.raises(AdapterPathError, match="Hub ids are not allowed") as info:
+        load_adapter(NAME, "acme/tiny-lora", spec, max_lora_rank=8, adapter_roots=[str(tmp_path)], allow_hub=False)
+    assert repr(NAME) in str(info.value) and "allow_hub_adapters=True" in str(info.value)
+    local = load_adapter(NAME, str(good), spec, max_lora_rank=8, allow_hub=False)   # local paths still load
+    assert local.weights
+
+
+def test_engine_config_allows_hub_ids_only_without_roots_unless_told():
+    from workers import EngineConfig
+    assert EngineConfig(model="m").hub_adapters_allowed
+    assert not EngineConfig(model="m", adapter_roots=("/srv/adapters",)).hub_adapters_allowed
+    assert EngineConfig(model="m", adapter_roots=("/srv/adapters",), allow_hub_adapters=True).hub_adapters_allowed
+    assert not EngineConfig(model="m", allow_hub_adapters=False).hub_adapters_allowed
 
 
 def test_hub_id_not_in_offline_cache(spec, offline_hub):

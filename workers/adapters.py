@@ -13,11 +13,12 @@ from lora.slots import SlotTable
 
 class AdapterManager:
     def __init__(self, spec: LoRAModelSpec, *, max_lora_rank: int, max_loaded_loras: int,
-                 max_loras_per_batch: int, adapter_roots: tuple[str, ...] = (), pin_memory: bool = False):
+                 max_loras_per_batch: int, adapter_roots: tuple[str, ...] = (), allow_hub: bool = True,
+                 pin_memory: bool = False):
         self.spec = spec
         self.max_lora_rank = max_lora_rank
         self.max_loras_per_batch = max_loras_per_batch
-        self.adapter_roots = adapter_roots
+        self.adapter_roots, self.allow_hub = adapter_roots, allow_hub
         self.pin_memory = pin_memory    # page-locked host copies make slot loads async DMA on accelerators
         self.cache = HostAdapterCache(max_loaded_loras, self._load)
         self.slots = SlotTable(max_loras_per_batch)
@@ -25,7 +26,7 @@ class AdapterManager:
 
     def _load(self, name: str, source: str) -> LoRAAdapter:
         adapter = load_adapter(name, source, self.spec, max_lora_rank=self.max_lora_rank,
-                               adapter_roots=self.adapter_roots or None)
+                               adapter_roots=self.adapter_roots or None, allow_hub=self.allow_hub)
         if self.pin_memory:
             for weights in adapter.weights.values():
                 weights.lora_a, weights.lora_b = weights.lora_a.pin_memory(), weights.lora_b.pin_memory()

@@ -33,11 +33,17 @@ class EngineConfig:
     lora_target_modules: tuple[str, ...] = SUPPORTED_LORA_MODULES
     lora_backend: str | None = None             # default: the platform's (ascend on npu)
     adapter_roots: tuple[str, ...] = ()         # allowed local adapter dirs; empty = any
+    allow_hub_adapters: bool | None = None      # Hub ids as sources; default: only without adapter_roots
     lora_max_wait_steps: int = 16               # fairness bound before strict FCFS on the LoRA budget
     # decode graphs
     enforce_eager: bool = False
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     graph_safe_decode: bool | None = None       # LoRA/attention graph-safe ops in decode; default: when capturing
+
+    @property
+    def hub_adapters_allowed(self) -> bool:
+        """Hub ids bypass adapter_roots (their files live in the HF cache), so roots alone forbid them."""
+        return self.allow_hub_adapters if self.allow_hub_adapters is not None else not self.adapter_roots
 
     def __post_init__(self):
         def need(ok: bool, msg: str):

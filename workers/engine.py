@@ -41,6 +41,7 @@ class LLMEngine:
                                            max_loaded_loras=config.max_loaded_loras,
                                            max_loras_per_batch=config.max_loras_per_batch,
                                            adapter_roots=config.adapter_roots,
+                                           allow_hub=config.hub_adapters_allowed,
                                            pin_memory=self.platform.name != "cpu")
         self.executor = self._make_executor()
         self.controller = Controller(config, self.runtime.num_kv_blocks, self.runtime.max_model_len,

@@ -54,6 +54,6 @@ def adapter_loader(config: EngineConfig, hf_config) -> Callable[[str, str, int],
     @functools.lru_cache(maxsize=config.max_loaded_loras)
     def get_adapter(name: str, source: str, load_id: int) -> LoRAAdapter:
         return load_adapter(name, source, spec, max_lora_rank=config.max_lora_rank,
-                            adapter_roots=config.adapter_roots or None)
+                            adapter_roots=config.adapter_roots or None, allow_hub=config.hub_adapters_allowed)
 
     return get_adapter
