@@ -87,3 +87,16 @@ def test_matches_a_float64_reference(dtype):
     # fp32 math inside either way: only bf16's one final rounding (2^-8 relative) separates them.
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=8e-3, atol=4e-3)
     torch.testing.assert_close(out.double(), _reference(q, k, v, tables, lens, scale), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_key_scoring_minus_infinity_gets_no_weight(dtype):
+    """exp(-inf) is 0, as in torch: one such key must not turn the output into NaN."""
+    q, k, v, tables, lens, scale = _case(dtype, kv_heads=2, group=2, head_dim=64)
+    q = q.abs() + 0.1
+    k[:, int(tables[1, 0]), 0, 0] = float("-inf")        # a key of sequence 1, every kv head
+    out = decode_attention(q, k, v, tables, lens, scale, graph_safe=False)
+    expected = decode_attention(q, k, v, tables, lens, scale, graph_safe=True)
+    assert torch.isfinite(expected[1]).all() and torch.isfinite(out[1]).all()
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(out.float(), expected.float(), **tol)

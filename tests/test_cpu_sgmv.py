@@ -178,3 +178,23 @@ def test_without_a_compiler_the_torch_ops_do_the_work_and_a_warning_says_why(tmp
     assert done.returncode == 0, done.stderr
     assert "CPU kernel cpu_sgmv.c unavailable" in done.stderr
 
+
+
+def test_more_stacked_slices_than_the_fast_path_holds():
+    """The bf16-dot path keeps per-slice tables for up to 8 slices; more go to the generic loops."""
+    gen = torch.Generator().manual_seed(5)
+    ranks = [16, 7, 16, 3]
+    outs = (16,) * 9 + (20,)
+    a, b, offsets = make_linear_buffers(ranks, 16, IN_DIM, outs, torch.bfloat16, gen)
+    token_slots = [0, 1, 2, 3, 0, -1]
+    x = torch.randn(len(token_slots), IN_DIM, generator=gen).to(torch.bfloat16)
+    y = torch.randn(len(token_slots), offsets[-1], generator=gen).to(torch.bfloat16)
+    expected = ref_add_lora(y.double(), x, a, b, offsets, token_slots)
+    assert cpu_sgmv.sgmv_add(y, x, a, b, offsets, _groups(token_slots, ranks), 16)
+    torch.testing.assert_close(y.double(), expected, rtol=2e-2, atol=6e-2)
+
+
+def test_negative_rows_slots_or_ranks_are_refused():
+    for runs in (((0, 8, (-1,)),), ((-1, 8, (0,)),), ((0, -2, (0,)),)):
+        with pytest.raises(ValueError, match=">= 0"):
+            cpu_sgmv.groups_for(runs)

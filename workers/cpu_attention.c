@@ -9,7 +9,7 @@
  * k_cache / v_cache [kv_heads, num_blocks, block_size, D] contiguous; block_tables [B, >= W]
  * int64 (row stride bt_stride); context_lens [B] int64. Query head h reads kv head h / group.
  * Scores, softmax and the weighted sum are fp32; out is rounded once. A context length or a
- * block id out of range fails the call (nonzero return) instead of reading past the cache.
+ * block id out of range fails the call (OUT_OF_RANGE) instead of reading past the cache.
  */
 #include <math.h>
 #include <stdint.h>
@@ -17,6 +17,8 @@
 #include <string.h>
 
 #include "../lora/native.h"
+
+enum { OUT_OF_RANGE = 1, OUT_OF_MEMORY = 2 };   /* nonzero returns */
 
 typedef struct {
     const void *q;
@@ -46,7 +48,7 @@ static int NAME(const attn_args *p) {                                           
             const int64_t b = i / p->kv_heads, h = i % p->kv_heads, ctx = p->context_lens[b];      \
             if (!qf || !acc || !s || ctx < 1 || ctx > max_ctx) {                                    \
                 _Pragma("omp atomic write")                                                         \
-                failed = 1;                                                                         \
+                failed = !qf || !acc || !s ? OUT_OF_MEMORY : OUT_OF_RANGE;                          \
                 continue;                                                                           \
             }                                                                                       \
             const int64_t *table = p->block_tables + b * p->bt_stride;                            \
@@ -55,7 +57,7 @@ static int NAME(const attn_args *p) {                                           
                 bad_block |= table[j] < 0 || table[j] >= p->num_blocks;                            \
             if (bad_block) {                                                                        \
                 _Pragma("omp atomic write")                                                         \
-                failed = 1;                                                                         \
+                failed = OUT_OF_RANGE;                                                              \
                 continue;                                                                           \
             }                                                                                       \
             const T *q = (const T *)p->q + b * p->q_stride + h * G * D;                            \
@@ -114,6 +116,7 @@ DEFINE_ATTENTION(decode_attention_f32_portable, float, f32_load, f32_store)
 /* exp(x) for x <= 0: 2^n * 2^f, f in [-1/2, 1/2], 2^f by its degree-6 Taylor polynomial
  * (relative error < 4e-6 down to x = -100, measured); far below the smallest float it is 0. */
 static inline __m512 exp_neg(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-150.f), x);   /* -inf -> 0 (not inf - inf = NaN); NaN stays NaN */
     const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
     const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
@@ -141,11 +144,11 @@ static int decode_attention_bf16_fast(const attn_args *p) {
         for (int64_t i = 0; i < p->batch * p->kv_heads; i++) {
             const int64_t b = i / p->kv_heads, h = i % p->kv_heads, ctx = p->context_lens[b];
             const int64_t *table = p->block_tables + b * p->bt_stride;
-            int bad = !s || !acc || ctx < 1 || ctx > max_ctx;
+            int bad = ctx < 1 || ctx > max_ctx;
             for (int64_t j = 0; !bad && j < (ctx + bs - 1) / bs; j++) bad |= table[j] < 0 || table[j] >= p->num_blocks;
-            if (bad) {
+            if (bad || !s || !acc) {
                 #pragma omp atomic write
-                failed = 1;
+                failed = bad ? OUT_OF_RANGE : OUT_OF_MEMORY;
                 continue;
             }
             const uint16_t *q = (const uint16_t *)p->q + b * p->q_stride + h * G * D;

@@ -39,10 +39,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      context_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
     """kv_cache.decode_attention's contract, or None when the kernel does not take these operands."""
     lib = _load()
-    if (lib is None or q.dtype not in _SYMBOLS or q.device.type != "cpu" or k_cache.dtype != q.dtype
+    if (lib is None or q.dtype not in _SYMBOLS or any(t.device.type != "cpu" for t in (q, k_cache, v_cache,
+                                                                                       block_tables, context_lens))
+            or k_cache.dtype != q.dtype
             or v_cache.dtype != q.dtype or not (k_cache.is_contiguous() and v_cache.is_contiguous())
             or k_cache.shape != v_cache.shape or q.dim() != 3 or q.stride(2) != 1 or q.stride(1) != q.shape[2]
-            or block_tables.dtype != torch.int64 or block_tables.stride(1) != 1
+            or block_tables.dtype != torch.int64 or block_tables.dim() != 2 or block_tables.stride(1) != 1
             or context_lens.dtype != torch.int64 or not context_lens.is_contiguous()):
         return None
     B, H, D = q.shape
@@ -54,6 +56,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     args = _Args(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), kv_heads, num_blocks, block_size,
                  D, H // kv_heads, block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1],
                  context_lens.data_ptr(), out.data_ptr(), H * D, B, scale)
-    if getattr(lib, _SYMBOLS[q.dtype])(ctypes.addressof(args)) != 0:
+    status = getattr(lib, _SYMBOLS[q.dtype])(ctypes.addressof(args))
+    if status == 2:
+        raise MemoryError("decode attention: out of memory for the kernel's scratch buffers")
+    if status != 0:
         raise ValueError("decode attention: a context length or a block id is out of range of the KV cache")
     return out

@@ -8,7 +8,8 @@
  * Layout (the slot pool's, see lora/slots.py; R = max rank, SR = stack * R):
  *   x  [T, in]           row stride x_stride (elements), unit column stride
  *   a  [L, SR, in]       contiguous; rows s*R + j of a slot, j < rank, are used
- *   b  (stack pointers)  b[s] [L, out_dims[s], R] contiguous; columns j < rank used
+ *   b  (stack pointers)  b[s] [L, out_dims[s], R] contiguous; columns j >= rank must be zero (the
+ *                        slot pool's contract: the bf16-dot paths multiply them by zero h)
  *   y  [T, >= y_offsets[stack-1] + out_dims[stack-1]], row stride y_stride, updated in place:
  *        y[t, y_offsets[s] + o] += sum_j b[s][slot, o, j] * (a[slot, s*R + j] . x[t])
  * Group g (one adapter) owns rows[group_start[g] .. group_start[g+1]) of x and y.
@@ -299,19 +300,22 @@ static int sgmv_bf16_dp_range(const sgmv_args *args, int64_t g_begin, int64_t g_
     for (int64_t s = 0; s < stack; s++) item_start[s + 1] = item_start[s] + (args->out_dims[s] + 15) / 16;
     const int64_t items = item_start[stack];
     const int by_group = g_end - g_begin >= 2 * omp_get_max_threads();
-    uint16_t *shared_hb = malloc(sizeof(uint16_t) * (CHUNK * SR + 32));   /* + 32: whole-vector loads */
-    int status = !shared_hb;
-    #pragma omp parallel if (!status)
+    const size_t hb_bytes = sizeof(uint16_t) * (CHUNK * SR + 32);   /* + 32: whole-vector loads */
+    uint16_t *shared_hb = NULL;
+    if (!by_group && !(shared_hb = malloc(hb_bytes))) return 1;
+    int status = 0;
+    #pragma omp parallel
     {
-        uint16_t *hb = by_group ? malloc(sizeof(uint16_t) * (CHUNK * SR + 32)) : shared_hb;
+        uint16_t *hb = by_group ? malloc(hb_bytes) : shared_hb;
         if (!hb) {
             #pragma omp atomic write
             status = 1;
         }
-        if (by_group) {
+        /* All or nothing: a thread without scratch must not leave its share of y undone. */
+        #pragma omp barrier
+        if (by_group && !status) {
             #pragma omp for schedule(dynamic, 1)
             for (int64_t g = g_begin; g < g_end; g++) {
-                if (!hb) continue;   /* every thread still takes part in the loop */
                 const int64_t slot = args->group_slot[g], rank = args->group_rank[g];
                 for (int64_t c0 = args->group_start[g]; c0 < args->group_start[g + 1]; c0 += CHUNK) {
                     const int64_t n = args->group_start[g + 1] - c0 < CHUNK ? args->group_start[g + 1] - c0 : CHUNK;
@@ -320,8 +324,7 @@ static int sgmv_bf16_dp_range(const sgmv_args *args, int64_t g_begin, int64_t g_
                     for (int64_t q = 0; q < items; q++) dp_expand(args, slot, rank, n, r, hb, item_start, q);
                 }
             }
-            free(hb);
-        } else if (hb) {   /* the shared buffer: the same branch on every thread */
+        } else if (!by_group) {   /* the shared buffer: the same branch on every thread */
             for (int64_t g = g_begin; g < g_end; g++) {
                 const int64_t slot = args->group_slot[g], rank = args->group_rank[g];
                 for (int64_t c0 = args->group_start[g]; c0 < args->group_start[g + 1]; c0 += CHUNK) {
@@ -334,20 +337,20 @@ static int sgmv_bf16_dp_range(const sgmv_args *args, int64_t g_begin, int64_t g_
                 }
             }
         }
+        if (by_group) free(hb);
     }
     free(shared_hb);
     return status;
 }
-#define BF16_DP_OK(R) ((R) == 16 || (R) % 32 == 0)
+#define BF16_DP_OK(p) (((p)->R == 16 || (p)->R % 32 == 0) && (p)->stack <= MAX_STACK)
 #else
-#define BF16_DP_OK(R) 0
+#define BF16_DP_OK(p) 0
 #define sgmv_bf16_dp_range sgmv_bf16_range
 #endif
 
-/* One thread: torch's OpenMP workers spin on the other cores between its ops, so threads of our
- * own only contend with them (measured: 2 threads made an 8-adapter step 2.5x slower). */
+/* The bf16-dot path runs on torch's OpenMP threads (above); the others on the calling thread. */
 int sgmv_add_bf16(const sgmv_args *args, int64_t num_groups) {
-    return BF16_DP_OK(args->R) ? sgmv_bf16_dp_range(args, 0, num_groups) : sgmv_bf16_range(args, 0, num_groups);
+    return BF16_DP_OK(args) ? sgmv_bf16_dp_range(args, 0, num_groups) : sgmv_bf16_range(args, 0, num_groups);
 }
 
 int sgmv_add_f32(const sgmv_args *args, int64_t num_groups) { return sgmv_f32_range(args, 0, num_groups); }

@@ -83,6 +83,8 @@ def groups_for(runs: tuple[tuple[int, int, tuple[int, ...]], ...]) -> Groups:
     for _, _, rows in runs:
         start.append(start[-1] + len(rows))
     rows = [t for _, _, ts in runs for t in ts]
+    if any(t < 0 for t in rows) or any(slot < 0 or rank < 0 for slot, rank, _ in runs):
+        raise ValueError("LoRA groups: token rows, slots and ranks must be >= 0")
     bounds = (max(rows, default=-1) + 1, max((s for s, _, _ in runs), default=-1) + 1,
               max((r for _, r, _ in runs), default=0))
     return Groups(len(runs), as_i64([s for s, _, _ in runs]), as_i64([r for _, r, _ in runs]), as_i64(start),
@@ -134,7 +136,8 @@ def _build_layer(a: torch.Tensor, b: tuple[torch.Tensor, ...], offsets: tuple[in
                  keep: tuple) -> _Layer | None:
     stack, R = len(b), max_rank
     if not (a.device.type == "cpu" and a.dtype in _SYMBOLS and a.dim() == 3 and a.is_contiguous()
-            and all(b_s.dtype == a.dtype and b_s.is_contiguous() and b_s.dim() == 3 for b_s in b)):
+            and all(b_s.device.type == "cpu" and b_s.dtype == a.dtype and b_s.is_contiguous() and b_s.dim() == 3
+                    for b_s in b)):
         return None
     out_dims = [b_s.shape[1] for b_s in b]
     # Everything the C code indexes is checked here or per call: it trusts its arguments.
