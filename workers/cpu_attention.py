@@ -6,6 +6,7 @@ torch ops (capturable, fake-tensor traceable), and other dtypes (fp16) keep torc
 from __future__ import annotations
 
 import ctypes
+import functools
 from pathlib import Path
 
 import torch
@@ -27,6 +28,7 @@ class _Args(ctypes.Structure):
                 ("batch", ctypes.c_int64), ("scale", ctypes.c_float)]
 
 
+@functools.cache   # on every layer's call: the lookup must cost nothing
 def _load() -> ctypes.CDLL | None:
     return native.load(SOURCE, {name: [ctypes.c_void_p] for name in _SYMBOLS.values()})
 

@@ -21,6 +21,7 @@ SOURCE = Path(__file__).with_name("cpu_sgmv.c")
 _SYMBOLS = {torch.bfloat16: "sgmv_add_bf16", torch.float32: "sgmv_add_f32"}
 
 
+@functools.cache   # on every layer's call: the lookup must cost nothing
 def _load() -> ctypes.CDLL | None:
     return native.load(SOURCE, {name: [ctypes.c_void_p, ctypes.c_int64] for name in _SYMBOLS.values()})
 
