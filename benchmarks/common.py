@@ -70,6 +70,9 @@ def make_engine(model_dir: Path, dtype: str, sizes: Sizes, enable_lora: bool = T
         max_model_len=sizes.prompt_len + sizes.max_tokens + 16, enable_lora=enable_lora,
         max_loras_per_batch=sizes.max_loras_per_batch, max_loaded_loras=sizes.max_loaded_loras,
         max_lora_rank=sizes.rank, kv_cache_memory_gb=1.0,
+        # The whole batch's prompts in one step, as in every recorded run: these benchmarks time decode
+        # (the scheduling benchmark measures chunked prefill on its own, against the engine without it).
+        max_num_batched_tokens=max(2048, sizes.batch * sizes.prompt_len),
         # The adapters' own target set: with the default (which adds embed_tokens and lm_head)
         # every LoRA step also runs the all-zero vocab-sized embedding / LM-head deltas.
         lora_target_modules=ALL7))
@@ -125,8 +128,9 @@ class RunTiming:
 def run_requests(engine, prompts, adapters, max_tokens: int) -> RunTiming:
     """Submit every request, then step until all finish; each step timed and classified.
 
-    A step that admits new requests is a prefill step (the controller never mixes the two);
-    a step that returns nothing waited on a background adapter load.
+    A step that runs any prompt tokens is a prefill step (with chunked prefill it also carries the
+    running decodes); a step of decodes only is a decode step; a step that returns nothing waited
+    on a background adapter load.
     """
     from workers import SamplingParams
 
@@ -137,16 +141,17 @@ def run_requests(engine, prompts, adapters, max_tokens: int) -> RunTiming:
         engine.add_request(prompt, params, adapter)
     controller = engine.controller
     while engine.has_unfinished():
-        waiting = len(controller.waiting)
         running = controller.running
         adapters_now = len({s.adapter for s in running if s.adapter})
         t0 = time.perf_counter()
+        engine.last_step = (0, 0)
         outputs = engine.step()
         dt = time.perf_counter() - t0
-        if not outputs:
+        decode_tokens, prefill_tokens = engine.last_step
+        if not decode_tokens and not prefill_tokens:
             time.sleep(0.001)
             timing.idle_s += time.perf_counter() - t0
-        elif len(controller.waiting) < waiting:
+        elif prefill_tokens:
             timing.prefill_s += dt
             timing.prefill_steps += 1
         else:

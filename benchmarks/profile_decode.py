@@ -39,7 +39,7 @@ def timed_parts(totals: dict):
                 totals[part] += time.perf_counter() - start
         return timed
 
-    patches = [(F, "linear", "base_linear"), (llama, "decode_attention", "attention"),
+    patches = [(F, "linear", "base_linear"), (llama, "paged_attention", "attention"),
                (TorchNativeBackend, "add_lora", "lora"), (TorchNativeBackend, "add_embedding_lora", "lora"),
                (runner, "sample", "sampling")]
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]

@@ -62,11 +62,13 @@ class LLMServer:
                        *, messages: list[dict] | None = None, request_id: str | None = None) -> ServedOutput:
         """The finished output (cumulative). The adapter is the call's `multiplexed_model_id`."""
         adapter, prompt, params = await self._start(prompt, sampling_params, messages)
-        last = None
+        token_ids, logprobs, text, last = [], [], [], None
         async with aclosing(self._outputs(adapter, prompt, params, request_id)) as outputs:
             async for last in outputs:
-                pass
-        return self._served(last, last.token_ids, last.text, last.logprobs)
+                token_ids += last.token_ids
+                logprobs += last.logprobs
+                text.append(last.text)
+        return self._served(last, prompt, token_ids, "".join(text), logprobs)
 
     async def generate_stream(self, prompt: Prompt | None = None,
                               sampling_params: SamplingParams | dict | None = None, *,
@@ -78,52 +80,48 @@ class LLMServer:
         character, or a possible start of a stop string.
         """
         adapter, prompt, params = await self._start(prompt, sampling_params, messages)
-        hold = max((len(s) for s in params.stop), default=1) - 1
-        sent_tokens, sent_text = 0, ""
+        first = True
         async with aclosing(self._outputs(adapter, prompt, params, request_id)) as outputs:
             async for out in outputs:
-                visible = out.text if out.finished else out.text[:len(out.text) - hold].rstrip("\ufffd")
-                new_text = visible[len(sent_text):]
-                if out.token_ids[sent_tokens:] or new_text or out.finished:
-                    item = self._served(out, out.token_ids[sent_tokens:], new_text, out.logprobs[sent_tokens:])
-                    if sent_tokens:
-                        item.prompt_token_ids = []
-                    yield item
-                sent_tokens, sent_text = len(out.token_ids), sent_text + new_text
+                if out.token_ids or out.text or out.finished:
+                    yield self._served(out, prompt if first else [], out.token_ids, out.text, out.logprobs,
+                                       num_prompt_tokens=len(prompt))
+                    first = False
 
-    async def _start(self, prompt, sampling_params, messages) -> tuple[str | None, Prompt, SamplingParams]:
+    async def _start(self, prompt, sampling_params, messages) -> tuple[str | None, list[int], SamplingParams]:
         adapter = await self._adapter_for_request()   # an unknown adapter is a 404 before anything else
         prompt, params = await self._prepare(prompt, sampling_params, messages)
         return adapter, prompt, params
 
-    async def _outputs(self, adapter: str | None, prompt: Prompt, params: SamplingParams,
+    async def _outputs(self, adapter: str | None, prompt: list[int], params: SamplingParams,
                        request_id: str | None) -> AsyncIterator[RequestOutput]:
-        kind, last, outcome = ("lora" if adapter else "base"), None, "error"
+        kind, last, outcome, generated = ("lora" if adapter else "base"), None, "error", 0
         try:
-            async with aclosing(self.engine.generate(prompt, params, adapter, request_id)) as stream:
+            async with aclosing(self.engine.generate(prompt, params, adapter, request_id, delta=True)) as stream:
                 async for last in stream:
+                    generated += len(last.token_ids)
                     yield last
             outcome = last.finish_reason
         except (asyncio.CancelledError, GeneratorExit):
             outcome = "abort"
             raise
         finally:
-            self.metrics.record_request(kind, outcome, len(last.prompt_token_ids) if last else 0,
-                                        len(last.token_ids) if last else 0)
+            self.metrics.record_request(kind, outcome, len(prompt), generated)
 
-    async def _prepare(self, prompt: Prompt | None, sampling_params, messages) -> tuple[Prompt, SamplingParams]:
+    async def _prepare(self, prompt: Prompt | None, sampling_params, messages) -> tuple[list[int], SamplingParams]:
+        """Token ids (tokenized here, in front of the engine) and the sampling parameters."""
         if messages is not None:
             if prompt is not None:
                 raise ValueError("give a prompt or chat messages, not both")
-            prompt = await self.engine.with_tokenizer(lambda tokenizer: _render_chat(tokenizer, messages))
+            prompt = await self.engine.render_chat(messages)
         if prompt is None or (isinstance(prompt, (str, list)) and not prompt):
             raise ValueError("prompt is empty")
+        if isinstance(prompt, str):
+            prompt = await self.engine.encoder.encode(prompt)
         if isinstance(sampling_params, SamplingParams):
             return prompt, sampling_params
         kwargs = dict(sampling_params or {})
         if kwargs.get("max_tokens") is None and messages is not None:   # chat default: the rest of the context
-            if isinstance(prompt, str):
-                prompt = await self.engine.with_tokenizer(lambda tokenizer: tokenizer(prompt).input_ids)
             kwargs["max_tokens"] = self.engine.max_model_len - len(prompt)
             if kwargs["max_tokens"] < 1:
                 raise ValueError(f"the prompt ({len(prompt)} tokens) fills max_model_len "
@@ -131,9 +129,12 @@ class LLMServer:
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
         return prompt, SamplingParams(**kwargs)
 
-    def _served(self, out: RequestOutput, token_ids, text, logprobs) -> ServedOutput:
-        return ServedOutput(out.request_id, list(out.prompt_token_ids), list(token_ids), text, list(logprobs),
-                            out.finish_reason, out.adapter, out.error, len(out.prompt_token_ids), self.replica_id)
+    def _served(self, out: RequestOutput, prompt_token_ids, token_ids, text, logprobs,
+                num_prompt_tokens: int | None = None) -> ServedOutput:
+        num_prompt = len(prompt_token_ids) if num_prompt_tokens is None else num_prompt_tokens
+        return ServedOutput(out.request_id, list(prompt_token_ids), list(token_ids), text, list(logprobs),
+                            out.finish_reason, out.adapter, out.error, out.num_cached_tokens, num_prompt,
+                            self.replica_id)
 
     # ---- adapters -----------------------------------------------------------------------------------
     async def _adapter_for_request(self) -> str | None:
@@ -208,10 +209,3 @@ def _build_engine(config: LLMConfig) -> LLMEngine:
     for name, source in config.adapters.items():   # a bad configured adapter fails the deployment, loudly
         engine.load_adapter(name, source)
     return engine
-
-
-def _render_chat(tokenizer, messages: list[dict]) -> str:
-    try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except Exception as exc:  # jinja errors: the messages do not fit the model's template
-        raise ValueError(f"chat template failed for these messages: {exc}") from exc

@@ -22,12 +22,15 @@ ENGINE_COUNTERS = [
     (("lora", "slots", "misses"), "lora_slot_misses"),
     (("lora", "slots", "evictions"), "lora_slot_evictions"),
     (("num_preemptions",), "preemptions"),
+    (("prefix_cache", "queried_tokens"), "prefix_cache_queried_tokens"),
+    (("prefix_cache", "hit_tokens"), "prefix_cache_hit_tokens"),
 ]
 ENGINE_GAUGES = [
     (("running",), "num_running"), (("waiting",), "num_waiting"),
     (("free_kv_blocks",), "kv_cache_free_blocks"), (("total_kv_blocks",), "kv_cache_blocks"),
     (("lora", "host_cache", "resident"), "lora_host_cache_resident"),
     (("lora", "host_cache", "referenced"), "lora_host_cache_referenced"),
+    (("prefix_cache", "cached_blocks"), "prefix_cache_blocks"),
 ]
 
 

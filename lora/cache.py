@@ -16,9 +16,10 @@ import time
 from typing import Callable
 
 from lora.adapter import LoRAAdapter
-from lora.errors import AdapterError, AdapterNotFoundError
+from lora.errors import AdapterError, AdapterLoadTimeoutError, AdapterNotFoundError
 
 RECENT_LOADS = 64  # latencies kept for stats(); enough for a histogram per scrape
+LOAD_THREADS = 4
 
 
 class HostAdapterCache:
@@ -29,20 +30,23 @@ class HostAdapterCache:
     """
 
     def __init__(self, capacity: int, load_fn: Callable[[str, str], LoRAAdapter],
-                 executor: concurrent.futures.Executor | None = None):
+                 executor: concurrent.futures.Executor | None = None, load_timeout_s: float | None = None):
         assert capacity >= 1, capacity
         self.capacity = capacity
         self._load_fn = load_fn
+        self.load_timeout_s = load_timeout_s
         self._owns_executor = executor is None
+        # A few threads: a load stuck past its timeout (a hung filesystem, the Hub) is given up on, but its
+        # thread cannot be stopped; the others keep loading meanwhile.
         self._executor = executor or concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="lora-load")
+            max_workers=LOAD_THREADS, thread_name_prefix="lora-load")
         self._lock = threading.Lock()
         self._sources: dict[str, str] = {}
         self._pinned: set[str] = set()
         self._resident: collections.OrderedDict[str, LoRAAdapter] = collections.OrderedDict()
         self._refs: dict[str, int] = {}
         self._orphans: dict[str, str] = {}           # unregistered, still referenced: name -> source
-        self._loading: dict[str, object] = {}        # name -> token of the load in flight
+        self._loading: dict[str, tuple[object, float]] = {}   # name -> (token, start) of the load in flight
         self._failed: dict[str, AdapterError] = {}   # name -> error of the last background load
         self._counts = dict(hits=0, misses=0, loads=0, evictions=0, load_failures=0)
         self._load_seconds_total = 0.0
@@ -105,22 +109,39 @@ class HostAdapterCache:
 
     # -- loading ----------------------------------------------------------
 
-    def load_now(self, name: str) -> LoRAAdapter:
-        """Load synchronously (or return the resident copy); load_fn's errors propagate."""
+    def load_now(self, name: str, preloaded: tuple[LoRAAdapter, float] | None = None) -> LoRAAdapter:
+        """Load synchronously (or return the resident copy); load_fn's errors propagate.
+
+        `preloaded`: (adapter, seconds) read already by `read` (off the caller's thread), inserted as is.
+        """
         with self._lock:
             source = self._source_of(name)
             if name in self._resident:
                 self._resident.move_to_end(name)
                 return self._resident[name]
-        start = time.perf_counter()
-        try:
-            adapter = self._load_fn(name, source)
-        except BaseException:
-            with self._lock:
-                self._counts["load_failures"] += 1
-            raise
+        if preloaded is None:
+            start = time.perf_counter()
+            try:
+                adapter = self._load_fn(name, source)
+            except BaseException:
+                with self._lock:
+                    self._counts["load_failures"] += 1
+                raise
+            preloaded = adapter, time.perf_counter() - start
         with self._lock:
-            return self._insert(name, source, adapter, time.perf_counter() - start) or adapter
+            return self._insert(name, source, *preloaded) or preloaded[0]
+
+    def read(self, name: str, source: str) -> concurrent.futures.Future:
+        """Read and validate `source` on the load threads, without registering it: (adapter, seconds)."""
+        def run():
+            start = time.perf_counter()
+            try:
+                return self._load_fn(name, source), time.perf_counter() - start
+            except BaseException:
+                with self._lock:
+                    self._counts["load_failures"] += 1
+                raise
+        return self._executor.submit(run)
 
     def ensure(self, name: str) -> bool:
         """True if resident; else start one background load and return False.
@@ -138,14 +159,21 @@ class HostAdapterCache:
             if name in self._failed:
                 raise self._failed.pop(name)
             if name in self._loading:
-                return False
+                token, started = self._loading[name]
+                if self.load_timeout_s is None or time.monotonic() - started <= self.load_timeout_s:
+                    return False
+                del self._loading[name]   # given up on: its result, if it ever comes, is dropped
+                self._counts["load_failures"] += 1
+                raise AdapterLoadTimeoutError(f"adapter {name!r}: loading took longer than {self.load_timeout_s:g}s "
+                                   f"(adapter_load_timeout_s); the next request retries")
             self._counts["misses"] += 1
-            token = self._loading[name] = object()
+            token = object()
+            self._loading[name] = (token, time.monotonic())
         try:
             self._executor.submit(self._load_in_background, name, source, token)
         except BaseException:
             with self._lock:
-                if self._loading.get(name) is token:
+                if self._loading.get(name, (None,))[0] is token:
                     del self._loading[name]
             raise
         return False
@@ -161,13 +189,14 @@ class HostAdapterCache:
                 error.__cause__ = exc
             with self._lock:
                 self._counts["load_failures"] += 1
-                if self._loading.get(name) is token:
+                if self._loading.get(name, (None,))[0] is token:
                     del self._loading[name]
                     self._failed[name] = error
             return
         with self._lock:
-            if self._loading.get(name) is token:
+            if self._loading.get(name, (None,))[0] is token:
                 del self._loading[name]
+            # Inserted even if given up on (timed out): it is what the next request asks for anyway.
             self._insert(name, source, adapter, time.perf_counter() - start)
 
     def _source_of(self, name: str) -> str:

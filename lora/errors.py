@@ -38,3 +38,7 @@ class AdapterWeightsError(AdapterError):
 
 class AdapterPathError(AdapterError):
     """A local path outside the configured adapter roots."""
+
+
+class AdapterLoadTimeoutError(AdapterError):
+    """Reading an adapter (disk or Hub) took longer than the configured timeout."""

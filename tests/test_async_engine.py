@@ -141,10 +141,10 @@ class CrashingEngine(LLMEngine):
     """A real engine whose step fails once `crash` is set (a device or worker failure)."""
     crash = False
 
-    def step(self):
+    def step_deltas(self):
         if self.crash:
             raise RuntimeError("worker died")
-        return super().step()
+        return super().step_deltas()
 
 
 def test_a_crashed_step_loop_fails_every_pending_request(model):

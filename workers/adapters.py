@@ -5,6 +5,8 @@ cache's executor), so the step loop never waits on disk or the Hub.
 """
 from __future__ import annotations
 
+import concurrent.futures
+
 from lora.adapter import LoRAAdapter, LoRAModelSpec, load_adapter
 from lora.cache import HostAdapterCache
 from lora.errors import AdapterError, AdapterNotFoundError
@@ -14,13 +16,13 @@ from lora.slots import SlotTable
 class AdapterManager:
     def __init__(self, spec: LoRAModelSpec, *, max_lora_rank: int, max_loaded_loras: int,
                  max_loras_per_batch: int, adapter_roots: tuple[str, ...] = (), allow_hub: bool = True,
-                 pin_memory: bool = False):
+                 pin_memory: bool = False, load_timeout_s: float | None = None):
         self.spec = spec
         self.max_lora_rank = max_lora_rank
         self.max_loras_per_batch = max_loras_per_batch
         self.adapter_roots, self.allow_hub = adapter_roots, allow_hub
         self.pin_memory = pin_memory    # page-locked host copies make slot loads async DMA on accelerators
-        self.cache = HostAdapterCache(max_loaded_loras, self._load)
+        self.cache = HostAdapterCache(max_loaded_loras, self._load, load_timeout_s=load_timeout_s)
         self.slots = SlotTable(max_loras_per_batch)
         self.pinned: set[str] = set()
 
@@ -33,8 +35,14 @@ class AdapterManager:
         return adapter
 
     # ---- user operations -------------------------------------------------
-    def load(self, name: str, source: str, pinned: bool = False) -> LoRAAdapter:
-        """Register and load now, so a bad adapter is refused at once with its reason.
+    def read(self, name: str, source: str) -> concurrent.futures.Future:
+        """Read and validate an adapter on the load threads (nothing registered): a Future of what `load`
+        takes as `preloaded`. How the async engine keeps file reads off its step thread."""
+        return self.cache.read(name, source)
+
+    def load(self, name: str, source: str, pinned: bool = False,
+             preloaded: tuple[LoRAAdapter, float] | None = None) -> LoRAAdapter:
+        """Register and load now (or insert `preloaded`), so a bad adapter is refused at once with its reason.
 
         A new source for a known name replaces it (refused while running requests use the old
         weights); if the new source is invalid the old one stays registered.
@@ -49,7 +57,7 @@ class AdapterManager:
         if previous not in (None, source):
             self.slots.remove(name)          # the slot holds the replaced weights
         try:
-            adapter = self.cache.load_now(name)
+            adapter = self.cache.load_now(name, preloaded)
         except Exception:
             if previous not in (None, source):
                 self.cache.register(name, previous, pinned=name in self.pinned)
@@ -95,6 +103,10 @@ class AdapterManager:
         loads = self.slots.assign(sorted(names), pinned=self.pinned)
         registered = self.cache.registered()
         return [(slot, name, registered[name], self.cache.load_id(name)) for slot, name in loads]
+
+    def load_id(self, name: str) -> int:
+        """Which read of the adapter's files is resident: part of its KV's prefix-cache identity."""
+        return self.cache.load_id(name)
 
     def slot_of(self, name: str | None) -> int:
         return -1 if name is None else self.slots.slot_of(name)

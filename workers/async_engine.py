@@ -2,9 +2,12 @@
 
 Only the step thread touches the engine: callers hand it commands (add, abort,
 adapter load/unload, stats) through a queue and await their result, so the
-engine needs no locks and a step is never interleaved with a mutation. Each
-request's stream holds only its latest cumulative output (outputs are
-cumulative, so a slow reader skips intermediate ones and memory stays bounded).
+engine needs no locks and a step is never interleaved with a mutation. The step
+thread only schedules and runs the model: prompts are tokenized before they
+reach it (workers/tokenizer.py, a thread of its own), adapter files are read on
+the adapter cache's load threads, and text is decoded in front of it, by each
+request's reader (workers/output.py). Each request's stream holds the token
+deltas its reader has not taken yet.
 
 Every accepted request ends: with a finished output, an aborted one, a
 `RequestError` (the engine failed it, e.g. its adapter could not be loaded) or
@@ -15,15 +18,17 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import itertools
 import queue
 import threading
 from typing import Any, AsyncIterator, Callable
 
+from lora.errors import AdapterLoadTimeoutError
 from workers.config import EngineConfig, SamplingParams
 from workers.engine import LLMEngine, Prompt
-from workers.sequence import RequestOutput
+from workers.output import RequestState
+from workers.sequence import RequestOutput, TokenDelta
+from workers.tokenizer import PromptEncoder, load_tokenizer
 
 BUSY_WAIT_S = 0.001   # pause when work exists but nothing could run (an adapter is loading)
 
@@ -37,26 +42,25 @@ class RequestError(RuntimeError):
 
 
 class _Stream:
-    """Latest output of one request, handed from the step thread to the caller's event loop."""
+    """Deltas of one request not read yet, handed from the step thread to the caller's event loop."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
-        self.latest: RequestOutput | BaseException | None = None
+        self.pending: list[TokenDelta] = []
+        self.error: BaseException | None = None
+        self.ended = False
         self.ready = asyncio.Event()
 
-    def put(self, item: RequestOutput | BaseException) -> None:
-        """Runs on the event loop. An error or a finished output is final: nothing replaces it."""
-        done = isinstance(self.latest, BaseException) or (self.latest is not None and self.latest.finished)
-        if not done:
-            self.latest = item
-            self.ready.set()
-
-    def finish_aborted(self, request_id: str) -> None:
-        """Runs on the event loop: end the stream with its last output, marked aborted."""
-        last = self.latest
-        if not isinstance(last, RequestOutput):
-            last = RequestOutput(request_id, [], [], "", [], None)
-        self.put(dataclasses.replace(last, finish_reason="abort"))
+    def put(self, item: TokenDelta | BaseException) -> None:
+        """Runs on the event loop. An error or a finished delta is final: nothing comes after it."""
+        if self.ended:
+            return
+        if isinstance(item, BaseException):
+            self.error, self.ended = item, True
+        else:
+            self.pending.append(item)
+            self.ended = item.finished
+        self.ready.set()
 
     def call_threadsafe(self, fn: Callable, *args) -> None:
         try:
@@ -64,20 +68,25 @@ class _Stream:
         except RuntimeError:   # the caller's loop is closed: nobody is reading any more
             pass
 
-    def put_threadsafe(self, item: RequestOutput | BaseException) -> None:
+    def put_threadsafe(self, item: TokenDelta | BaseException) -> None:
         self.call_threadsafe(self.put, item)
 
-    async def get(self) -> RequestOutput:
+    async def get(self) -> list[TokenDelta]:
+        """Every delta since the last call (at least one); an error at once (what it cut short is moot)."""
         await self.ready.wait()
         self.ready.clear()
-        if isinstance(self.latest, BaseException):
-            raise self.latest
-        return self.latest
+        if self.error is not None:
+            raise self.error
+        items, self.pending = self.pending, []
+        return items
 
 
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
+        path, max_len = engine.runtime.model_path, engine.runtime.max_model_len
+        self.encoder = PromptEncoder(path, max_len)
+        self._decode_tokenizer = load_tokenizer(path)   # used by readers only, for their incremental text
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -97,41 +106,64 @@ class AsyncLLMEngine:
     def max_model_len(self) -> int:
         return self.engine.runtime.max_model_len
 
-    async def with_tokenizer(self, fn: Callable[[Any], Any]) -> Any:
-        """`fn(tokenizer)` on the step thread: a HF fast tokenizer must not be used by two threads at once."""
-        return await self._call(fn, self.engine.tokenizer)
+    async def render_chat(self, messages: list[dict]) -> list[int]:
+        """The chat template's prompt as token ids (tokenized on the tokenizer thread)."""
+        return await self.encoder.render_chat(messages)
 
     # ---- caller side (any event loop) ---------------------------------------------------------------
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, adapter: str | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Cumulative outputs of one request; the last one is finished. Leaving early aborts it."""
+                       request_id: str | None = None, delta: bool = False) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request, cumulative (or, with `delta`, only what is new in each); the last one is
+        finished. Leaving early aborts it."""
+        params = params or SamplingParams()
         request_id = request_id or f"async-{next(self._ids)}"
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            prompt = await self.encoder.encode(prompt)
+        state = RequestState(request_id, list(prompt), params, self._decode_tokenizer, adapter)
         stream = _Stream(asyncio.get_running_loop())
         with self._streams_lock:
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self._streams[request_id] = stream   # before add_request, so no output can be missed
-        added = finished = False
+        added = ended = False
         try:
-            await self._call(self._add, prompt, params, adapter, request_id)
+            await self._call(self._add, state.prompt_token_ids, params, adapter, request_id)
             added = True
-            while not finished:
-                output = await stream.get()
-                finished = output.finished
-                if output.finish_reason == "error":
-                    raise RequestError(output.error or f"request {request_id!r} failed")
-                yield output
+            while not state.finished:
+                stopped = False
+                for item in await stream.get():
+                    stopped = state.update(item) or stopped
+                if stopped:   # a stop string: the engine stops generating it (a token or two may still come)
+                    self._submit(self._drop, request_id)
+                    ended = True
+                if state.finish_reason == "error":
+                    raise RequestError(state.error or f"request {request_id!r} failed")
+                yield state.output(delta)
+            ended = True
         finally:
             with self._streams_lock:
                 self._streams.pop(request_id, None)
-            if added and not finished and self._dead is None:
+            if added and not ended and self._dead is None:
                 self._submit(self._drop, request_id)   # the reader left: free its KV and adapter
 
     async def abort(self, request_id: str) -> None:
         await self._call(self._abort, request_id)
 
     async def load_adapter(self, name: str, source: str, pinned: bool = False) -> None:
-        await self._call(self.engine.load_adapter, name, source, pinned)
+        """Read the files on the adapter load threads (bounded by adapter_load_timeout_s), then register the
+        adapter on the step thread: requests for other adapters keep generating meanwhile."""
+        manager = self.engine.adapters
+        if manager is None:
+            return await self._call(self.engine.load_adapter, name, source, pinned)   # raises: LoRA is off
+        timeout = self.engine.config.adapter_load_timeout_s
+        try:
+            preloaded = await asyncio.wait_for(asyncio.wrap_future(manager.read(name, source)), timeout)
+        except TimeoutError:
+            raise AdapterLoadTimeoutError(f"adapter {name!r}: reading it took longer than {timeout:g}s "
+                                          f"(adapter_load_timeout_s)") from None
+        await self._call(self.engine.load_adapter, name, source, pinned, preloaded)
 
     async def unload_adapter(self, name: str) -> None:
         await self._call(self.engine.unload_adapter, name)
@@ -163,6 +195,7 @@ class AsyncLLMEngine:
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout=30)
+        self.encoder.close()
         self.engine.close()
 
     async def _call(self, fn: Callable, *args) -> Any:
@@ -191,7 +224,7 @@ class AsyncLLMEngine:
                     self._wake.wait()
                     self._wake.clear()
                     continue
-                outputs = self.engine.step()
+                outputs = self.engine.step_deltas()
                 self._publish(outputs)
                 # two empty steps with nothing unfinished: whatever is still active was lost
                 idle_steps = 0 if outputs or self.engine.has_unfinished() else idle_steps + 1
@@ -217,8 +250,8 @@ class AsyncLLMEngine:
             except Exception as exc:  # noqa: BLE001  (the caller's error, raised in the caller)
                 future.set_exception(exc)
 
-    def _add(self, prompt: Prompt, params: SamplingParams | None, adapter: str | None, request_id: str) -> None:
-        self.engine.add_request(prompt, params, adapter, request_id)
+    def _add(self, prompt: list[int], params: SamplingParams, adapter: str | None, request_id: str) -> None:
+        self.engine.add_request(prompt, params, adapter, request_id, detokenize=False)
         self._active.add(request_id)
 
     def _drop(self, request_id: str) -> None:
@@ -231,9 +264,9 @@ class AsyncLLMEngine:
         with self._streams_lock:
             stream = self._streams.get(request_id)
         if stream is not None:
-            stream.call_threadsafe(stream.finish_aborted, request_id)
+            stream.put_threadsafe(TokenDelta(request_id, [], [], "abort"))
 
-    def _publish(self, outputs: list[RequestOutput]) -> None:
+    def _publish(self, outputs: list[TokenDelta]) -> None:
         self._active.difference_update(out.request_id for out in outputs if out.finished)
         with self._streams_lock:
             streams = [(self._streams.get(out.request_id), out) for out in outputs]

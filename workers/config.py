@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 SUPPORTED_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                           "down_proj", "embed_tokens", "lm_head")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+GREEDY_BELOW = 1e-5      # temperatures under this sample greedily (vLLM's rule): 1/T would overflow to NaN
+MAX_STOP_STRINGS = 16    # each one is searched for after every token
+MAX_STOP_LENGTH = 256    # characters; also what streaming holds back
 
 
 @dataclass(frozen=True)
@@ -20,7 +23,9 @@ class EngineConfig:
     # scheduling
     max_num_seqs: int = 64
     max_model_len: int | None = None            # default: min(model's max positions, 4096)
-    max_num_batched_tokens: int | None = None   # default: max(max_model_len, 2048)
+    max_num_batched_tokens: int | None = None   # tokens per step; default per device (device.py), see README
+    enable_chunked_prefill: bool = True         # long prompts run in chunks beside the decodes
+    enable_prefix_caching: bool = True          # reuse the KV of full blocks of a prompt seen before
     # KV cache
     kv_block_size: int = 16
     num_kv_blocks: int | None = None            # default: sized by kv_cache_memory_gb
@@ -35,6 +40,7 @@ class EngineConfig:
     adapter_roots: tuple[str, ...] = ()         # allowed local adapter dirs; empty = any
     allow_hub_adapters: bool | None = None      # Hub ids as sources; default: only without adapter_roots
     lora_max_wait_steps: int = 16               # fairness bound before strict FCFS on the LoRA budget
+    adapter_load_timeout_s: float = 120.0       # a disk / Hub read of an adapter taking longer fails
     # decode graphs
     enforce_eager: bool = False
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
@@ -57,6 +63,9 @@ class EngineConfig:
              "distributed_executor must be auto, inproc or ray")
         need(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
         need(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2")
+        need(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= self.max_num_seqs,
+             f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+             f"({self.max_num_seqs}): every running sequence decodes one token a step")
         need(self.kv_block_size >= 1, "kv_block_size must be >= 1")
         need(self.num_kv_blocks is None or self.num_kv_blocks >= 2, "num_kv_blocks must be >= 2")
         need(self.max_loras_per_batch >= 1, "max_loras_per_batch must be >= 1")
@@ -64,6 +73,7 @@ class EngineConfig:
              f"max_loaded_loras ({self.max_loaded_loras}) must be >= max_loras_per_batch "
              f"({self.max_loras_per_batch})")
         need(self.max_lora_rank >= 1, "max_lora_rank must be >= 1")
+        need(self.adapter_load_timeout_s > 0, "adapter_load_timeout_s must be > 0")
         bad = set(self.lora_target_modules) - set(SUPPORTED_LORA_MODULES)
         need(not bad, f"lora_target_modules {sorted(bad)} not supported; use {SUPPORTED_LORA_MODULES}")
         need(all(b >= 1 for b in self.graph_batch_sizes), "graph_batch_sizes must be positive")
@@ -89,9 +99,15 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.temperature < GREEDY_BELOW:
+            self.temperature = 0.0
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k is None or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (off) or >= 0, got {self.top_k}")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty strings")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        if max(map(len, self.stop), default=0) > MAX_STOP_LENGTH:
+            raise ValueError(f"stop strings must be at most {MAX_STOP_LENGTH} characters")

@@ -1,22 +1,31 @@
 """Continuous batching: queues, KV admission and preemption, the LoRA budget, StepPlans.
 
-Each step is either a prefill of newly admitted sequences or a decode of all
-running ones. Admission is first-come first-served under four budgets: free KV
-blocks, batched tokens, max_num_seqs and distinct adapters
-(max_loras_per_batch; the base model needs no slot). A request passed over for
-lack of a LoRA slot more than `lora_max_wait_steps` times stops admission
-behind it, so the running adapters drain and it gets in (no starvation).
-When decode runs out of KV blocks the youngest sequence is preempted and later
-recomputed from its prompt and the tokens it already has.
+A step carries every running decode (one token each) and then prefill chunks,
+up to `max_num_batched_tokens` tokens in all: partially prefilled sequences
+continue first, then waiting ones are admitted (chunked prefill; with it off a
+prompt is only admitted when it fits whole). Admission takes KV blocks for the
+whole prompt at once, after reusing the longest cached prefix (block_pool.py),
+so a prompt in progress never waits for blocks. The LoRA budget
+(max_loras_per_batch distinct adapters among running sequences; the base
+model needs none) fills like this: requests whose adapter is already running
+come first, then a free slot goes to the adapter with the most waiting
+requests, whose requests are admitted together. A request passed over for a
+LoRA slot more than `lora_max_wait_steps` times makes admission strictly
+first-come first-served and stops it at that request, so running adapters
+drain and it gets in (no starvation). When decode runs out of KV blocks the
+youngest sequence is preempted; it is recomputed later from its prompt and
+the tokens it already has (its blocks stay cached, so mostly hits).
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
+from typing import Iterator
 
 from lora.errors import AdapterError
 from workers.adapters import AdapterManager
+from workers.block_pool import BlockPool, extend_hashes, hash_root
 from workers.config import EngineConfig
-from workers.kv_cache import BlockAllocator, blocks_needed
+from workers.kv_cache import blocks_needed
 from workers.plan import StepPlan
 from workers.sequence import Sequence, Status
 
@@ -28,7 +37,8 @@ class Controller:
         self.block_size = config.kv_block_size
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.allocator = BlockAllocator(num_kv_blocks)
+        self.chunked_prefill = config.enable_chunked_prefill
+        self.blocks = BlockPool(num_kv_blocks, config.enable_prefix_caching)
         self.adapters = adapters
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -44,43 +54,111 @@ class Controller:
         return bool(self.waiting or self.running)
 
     # ---- scheduling ------------------------------------------------------
-    def schedule(self) -> tuple[StepPlan, list[Sequence]] | None:
+    def schedule(self) -> tuple[StepPlan, list[tuple[Sequence, int]]] | None:
+        """The step's plan and its (sequence, new tokens) in plan order; None when nothing can run."""
         self.step_count += 1
-        admitted = self._admit()
-        if admitted:
-            self.running.extend(admitted)
-            return self._plan(admitted, is_prefill=True)
-        if self._reserve_decode_blocks():
-            return self._plan(self.running, is_prefill=False)
-        return None
+        budget = self.max_num_batched_tokens
+        self._reserve_decode_blocks()
+        decodes = [(seq, 1) for seq in self.running if seq.num_uncomputed == 1]
+        budget -= len(decodes)
+        chunks = []
+        for seq in self.running:
+            if seq.num_uncomputed > 1 and budget > 0:
+                n = min(seq.num_uncomputed, budget)
+                chunks.append((seq, n))
+                budget -= n
+        admitted = self._admit(budget)
+        self.running.extend(seq for seq, _ in admitted)
+        scheduled = decodes + chunks + admitted
+        return self._plan(scheduled) if scheduled else None
 
-    def _admit(self) -> list[Sequence]:
-        admitted: list[Sequence] = []
-        num_tokens = 0
+    def _reserve_decode_blocks(self) -> None:
+        """Room for the next token of every decoding sequence, preempting the youngest if blocks run out."""
+        kept: list[Sequence] = []
+        queue = list(self.running)
+        while queue:
+            seq = queue.pop(0)
+            need = blocks_needed(len(seq), self.block_size) - len(seq.block_table)
+            while need > self.blocks.num_free and queue:
+                self._preempt(queue.pop())
+            if need > self.blocks.num_free:
+                self._preempt(seq)
+                continue
+            if need > 0:
+                seq.block_table += self.blocks.allocate(need)
+            kept.append(seq)
+        self.running = kept
+
+    def _admit(self, budget: int) -> list[tuple[Sequence, int]]:
+        admitted: list[tuple[Sequence, int]] = []
         active = {s.adapter for s in self.running if s.adapter}
-        for seq in list(self.waiting):
-            if len(self.running) + len(admitted) >= self.config.max_num_seqs:
+        limit = self.config.max_loras_per_batch
+        for seq in self._admission_order(active):
+            if budget <= 0 or len(self.running) + len(admitted) >= self.config.max_num_seqs:
                 break
-            if num_tokens + len(seq) > self.max_num_batched_tokens:
-                break
-            if seq.adapter and seq.adapter not in active and len(active) >= self.config.max_loras_per_batch:
-                seq.lora_skips += 1
+            if seq.adapter and seq.adapter not in active and len(active) >= limit:
                 if seq.lora_skips > self.config.lora_max_wait_steps:
                     break                        # drain the running adapters for this one
                 continue
-            need = blocks_needed(len(seq), self.block_size)
-            if need > self.allocator.num_free:
-                break
-            if seq.adapter and not self._acquire_adapter(seq):
-                continue
-            seq.block_table = self.allocator.allocate(need)
-            seq.status = Status.RUNNING
-            self.waiting.remove(seq)
+            started = self._start(seq, budget)
+            if started is None:
+                break                            # out of KV blocks (or, unchunked, of tokens): keep FCFS order
+            if started == 0:
+                continue                         # its adapter is loading (or failed)
             if seq.adapter:
                 active.add(seq.adapter)
-            admitted.append(seq)
-            num_tokens += len(seq)
+            admitted.append((seq, started))
+            budget -= started
+        if len(active) >= limit:
+            for seq in self.waiting:
+                if seq.adapter and seq.adapter not in active:
+                    seq.lora_skips += 1
         return admitted
+
+    def _admission_order(self, active: set[str]) -> Iterator[Sequence]:
+        """Waiting requests in the order admission tries them (see the module docstring)."""
+        waiting = list(self.waiting)
+        if any(s.lora_skips > self.config.lora_max_wait_steps for s in waiting):
+            yield from waiting
+            return
+        later: dict[str, list[Sequence]] = {}
+        for seq in waiting:
+            if seq.adapter is None or seq.adapter in active:
+                yield seq
+            else:
+                later.setdefault(seq.adapter, []).append(seq)
+        counts = Counter({name: len(seqs) for name, seqs in later.items()})
+        for name, _ in counts.most_common():     # ties keep arrival order (Counter preserves insertion)
+            yield from later[name]
+
+    def _start(self, seq: Sequence, budget: int) -> int | None:
+        """Admit `seq`: adapter reference, cached prefix, blocks. Returns its first chunk's size, 0 when its
+        adapter is not ready, None when it does not fit now."""
+        if seq.adapter and not self._acquire_adapter(seq):
+            return 0
+        key = "" if seq.adapter is None else f"{seq.adapter}\0{self.adapters.load_id(seq.adapter)}"
+        if seq.hash_key != key:
+            seq.block_hashes, seq.hash_key, seq.num_registered_blocks = [], key, 0
+        extend_hashes(seq.block_hashes, hash_root(key), seq.token_ids, self.block_size, len(seq))
+        # The last token is always computed: its logits are what the step samples from.
+        hit = self.blocks.match(seq.block_hashes[:(len(seq) - 1) // self.block_size])
+        cached = len(hit) * self.block_size
+        need = blocks_needed(len(seq), self.block_size) - len(hit)
+        if (need > self.blocks.num_free_after_taking(hit)
+                or (not self.chunked_prefill and len(seq) - cached > budget)):
+            if seq.adapter:
+                self.adapters.release(seq.adapter)
+            return None
+        self.blocks.take(hit)
+        seq.block_table = hit + self.blocks.allocate(need)
+        seq.num_computed_tokens = cached
+        seq.num_registered_blocks = len(hit)
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = cached
+            self.blocks.record_query(len(seq), cached)
+        seq.status = Status.RUNNING
+        self.waiting.remove(seq)
+        return min(len(seq) - cached, budget)
 
     def _acquire_adapter(self, seq: Sequence) -> bool:
         """Hold a reference to the request's adapter if it is in host memory (else a load starts)."""
@@ -103,24 +181,6 @@ class Controller:
         seq.status = Status.FINISHED
         self.errored.append(seq)
 
-    def _reserve_decode_blocks(self) -> bool:
-        """Give each running sequence room for its next token, preempting the youngest if needed."""
-        kept: list[Sequence] = []
-        queue = list(self.running)
-        while queue:
-            seq = queue.pop(0)
-            need = blocks_needed(len(seq), self.block_size) - len(seq.block_table)
-            while need > self.allocator.num_free and queue:
-                self._preempt(queue.pop())
-            if need > self.allocator.num_free:
-                self._preempt(seq)
-                continue
-            if need > 0:
-                seq.block_table += self.allocator.allocate(need)
-            kept.append(seq)
-        self.running = kept
-        return bool(kept)
-
     def _preempt(self, seq: Sequence) -> None:
         self._release(seq)
         seq.status = Status.WAITING
@@ -128,45 +188,67 @@ class Controller:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def _plan(self, seqs: list[Sequence], is_prefill: bool) -> tuple[StepPlan, list[Sequence]]:
+    def _plan(self, scheduled: list[tuple[Sequence, int]]) -> tuple[StepPlan, list[tuple[Sequence, int]]]:
         loads = []
         if self.adapters is not None:
-            names = {s.adapter for s in self.running if s.adapter}
+            names = {s.adapter for s in self.running if s.adapter}   # slots of chunks in progress stay too
             loads = self.adapters.assign_slots(names) if names else []
         slot_of = self.adapters.slot_of if self.adapters is not None else (lambda _: -1)
-        seqs = sorted(seqs, key=lambda s: slot_of(s.adapter))   # one LoRA segment per adapter
-        plan = StepPlan(is_prefill=is_prefill, input_ids=[], positions=[], seq_lens=[], block_tables=[],
-                        lora_slots=[], lora_loads=loads)
-        for seq in seqs:
-            if is_prefill:
-                plan.input_ids += seq.token_ids
-                plan.positions += range(len(seq))
-                plan.seq_lens.append(len(seq))
-            else:
-                plan.input_ids.append(seq.token_ids[-1])
-                plan.positions.append(len(seq) - 1)
-                plan.seq_lens.append(len(seq))
-            p = seq.params
+        # Decodes first, then chunks; within each, by slot: one LoRA segment per adapter.
+        scheduled.sort(key=lambda item: (item[1] > 1 or item[0].num_uncomputed > 1, slot_of(item[0].adapter)))
+        plan = StepPlan(input_ids=[], positions=[], query_lens=[], seq_lens=[], block_tables=[], lora_slots=[],
+                        lora_loads=loads)
+        for seq, n in scheduled:
+            start = seq.num_computed_tokens
+            plan.input_ids += seq.token_ids[start:start + n]
+            plan.positions += range(start, start + n)
+            plan.query_lens.append(n)
+            plan.seq_lens.append(start + n)
             plan.block_tables.append(list(seq.block_table))
             plan.lora_slots.append(slot_of(seq.adapter))
-            plan.temperatures.append(p.temperature)
-            plan.top_ks.append(p.top_k)
-            plan.top_ps.append(p.top_p)
-            plan.seeds.append(seq.seed)
-            plan.steps.append(len(seq.output_token_ids))
-        return plan, seqs
+            samples = start + n == len(seq)
+            plan.samples.append(samples)
+            if samples:
+                p = seq.params
+                plan.temperatures.append(p.temperature)
+                plan.top_ks.append(p.top_k)
+                plan.top_ps.append(p.top_p)
+                plan.seeds.append(seq.seed)
+                plan.steps.append(seq.num_output_tokens)
+        return plan, scheduled
 
     # ---- after a step ----------------------------------------------------
-    def append_tokens(self, seqs: list[Sequence], tokens: list[int], logprobs: list[float],
-                      eos_token_ids: set[int]) -> None:
-        for seq, token, logprob in zip(seqs, tokens, logprobs):
-            seq.output_token_ids.append(token)
+    def complete(self, scheduled: list[tuple[Sequence, int]], tokens: list[int], logprobs: list[float],
+                 eos_token_ids: set[int]) -> list[Sequence]:
+        """Record a step's work: computed tokens, new full blocks into the prefix cache, sampled tokens and
+        stop conditions. Returns the sequences that produced a token."""
+        sampled = iter(zip(tokens, logprobs))
+        produced = []
+        for seq, n in scheduled:
+            seq.num_computed_tokens += n
+            self._cache_full_blocks(seq)
+            if seq.num_computed_tokens < len(seq):
+                continue                          # a chunk of a longer prompt: nothing sampled yet
+            token, logprob = next(sampled)
+            seq.token_ids.append(token)
             seq.logprobs.append(logprob)
+            produced.append(seq)
             p = seq.params
-            if token in p.stop_token_ids or (token in eos_token_ids and not p.ignore_eos):
+            if token in seq.stop_token_ids or (token in eos_token_ids and not p.ignore_eos):
                 self.finish(seq, "stop")
-            elif len(seq.output_token_ids) >= p.max_tokens or len(seq) >= self.max_model_len:
+            elif seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
                 self.finish(seq, "length")
+        return produced
+
+    def _cache_full_blocks(self, seq: Sequence) -> None:
+        full = seq.num_computed_tokens // self.block_size
+        if not self.blocks.enable_caching or full <= seq.num_registered_blocks:
+            return
+        extend_hashes(seq.block_hashes, hash_root(seq.hash_key), seq.token_ids, self.block_size,
+                      seq.num_computed_tokens)
+        for i in range(seq.num_registered_blocks, full):
+            self.blocks.register(seq.block_table[i], seq.block_hashes[i])
+        seq.num_registered_blocks = full
 
     def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         if seq.status is Status.FINISHED:
@@ -181,7 +263,8 @@ class Controller:
         seq.error = error
 
     def _release(self, seq: Sequence) -> None:
-        self.allocator.release(seq.block_table)
+        self.blocks.release(seq.block_table)
         seq.block_table = []
+        seq.num_computed_tokens = 0
         if seq.adapter:
             self.adapters.release(seq.adapter)

@@ -46,6 +46,12 @@ PLATFORMS = {
 }
 
 
+# Tokens per step (max_num_batched_tokens) when the config leaves it unset: decodes first, prefill chunks
+# fill the rest. On the CPU a step's time grows with its tokens at ~2 ms each (bench shape, 2 cores), so
+# 256 keeps a mixed step near 100-200 ms beside the decodes; accelerators take vLLM's serving default.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 256, "cuda": 2048, "npu": 2048}
+
+
 def _npu_available() -> bool:
     if importlib.util.find_spec("torch_npu") is None:
         return False

@@ -1,4 +1,10 @@
-"""LLMEngine: the synchronous engine. One step = schedule -> execute -> postprocess."""
+"""LLMEngine: the synchronous engine. One step = schedule -> execute -> postprocess.
+
+`step_deltas` is the step itself: token ids only, nothing decoded (what the
+async engine's step thread runs; text is made in front of it). `step` and
+`generate` are the synchronous API on top: they detokenize incrementally and
+apply stop strings (workers/output.py) for the requests added here.
+"""
 from __future__ import annotations
 
 import itertools
@@ -8,15 +14,17 @@ from typing import Sequence as Seq
 
 from transformers import AutoConfig, AutoTokenizer
 
-from lora.adapter import model_spec_from_hf_config
+from lora.adapter import LoRAAdapter, model_spec_from_hf_config
 from workers.adapters import AdapterManager
 from workers.config import EngineConfig, SamplingParams
 from workers.controller import Controller
-from workers.device import get_platform
+from workers.device import DEFAULT_MAX_NUM_BATCHED_TOKENS, get_platform
 from workers.kv_cache import KVCache, blocks_needed
 from workers.models.loader import resolve_model_path
+from workers.output import RequestState
 from workers.runner import TORCH_DTYPES, RuntimeInfo
-from workers.sequence import RequestOutput, Sequence
+from workers.sequence import RequestOutput, Sequence, TokenDelta
+from workers.tokenizer import check_prompt_chars, encode, max_prompt_chars
 from workers.worker import Worker
 
 Prompt = str | list[int]
@@ -30,10 +38,8 @@ class LLMEngine:
         hf_config = AutoConfig.from_pretrained(path)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.runtime = self._runtime(path, hf_config)
-        self.max_num_batched_tokens = config.max_num_batched_tokens or max(self.runtime.max_model_len, 2048)
-        if self.max_num_batched_tokens < self.runtime.max_model_len:
-            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
-                             f"max_model_len ({self.runtime.max_model_len})")
+        self.max_num_batched_tokens = self._token_budget()
+        self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.runtime.max_model_len)
         self.adapters = None
         if config.enable_lora:
             spec = model_spec_from_hf_config(hf_config.to_dict(), config.lora_target_modules)
@@ -42,7 +48,8 @@ class LLMEngine:
                                            max_loras_per_batch=config.max_loras_per_batch,
                                            adapter_roots=config.adapter_roots,
                                            allow_hub=config.hub_adapters_allowed,
-                                           pin_memory=self.platform.name != "cpu")
+                                           pin_memory=self.platform.name != "cpu",
+                                           load_timeout_s=config.adapter_load_timeout_s)
         self.executor = self._make_executor()
         self.controller = Controller(config, self.runtime.num_kv_blocks, self.runtime.max_model_len,
                                      self.max_num_batched_tokens, self.adapters)
@@ -50,6 +57,21 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._seqs: dict[str, Sequence] = {}
+        self._states: dict[str, RequestState] = {}   # requests added with detokenize=True
+        self.last_step = (0, 0)   # (decode tokens, prefill tokens) of the last step that ran: benchmarks, stats
+
+    def _token_budget(self) -> int:
+        """Tokens per step: the config's, or the device's default (see device.py); without chunked prefill
+        a whole prompt must fit one step."""
+        cfg, max_len = self.config, self.runtime.max_model_len
+        budget = cfg.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS[self.platform.name],
+                                                   cfg.max_num_seqs)
+        if not cfg.enable_chunked_prefill:
+            budget = cfg.max_num_batched_tokens or max(budget, max_len)
+            if budget < max_len:
+                raise ValueError(f"max_num_batched_tokens ({budget}) must be >= max_model_len ({max_len}) "
+                                 f"when enable_chunked_prefill is off")
+        return budget
 
     def _make_executor(self):
         """In-process Worker for TP=1, else a WorkerGroup of Ray actors (Ray must be running: see worker_group.py)."""
@@ -89,7 +111,8 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
-            token_ids = self.tokenizer(prompt).input_ids
+            check_prompt_chars(len(prompt), self.max_prompt_chars, self.runtime.max_model_len)
+            token_ids = encode(self.tokenizer, prompt)
         else:
             token_ids = list(prompt)
             bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.runtime.hf_config.vocab_size]
@@ -113,14 +136,22 @@ class LLMEngine:
         return Sequence(request_id, token_ids, params, seed, adapter)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, adapter: str | None = None,
-                    request_id: str | None = None) -> str:
-        seq = self._make_sequence(prompt, params or SamplingParams(), adapter, request_id)
+                    request_id: str | None = None, *, detokenize: bool = True) -> str:
+        """Queue a request. detokenize=False: its text is made by the caller, from `step_deltas` (the async
+        engine does this in front of its step thread); `step` then reports nothing for it."""
+        return self._queue(self._make_sequence(prompt, params or SamplingParams(), adapter, request_id), detokenize)
+
+    def _queue(self, seq: Sequence, detokenize: bool) -> str:
         self._seqs[seq.request_id] = seq
+        if detokenize:
+            self._states[seq.request_id] = RequestState(seq.request_id, seq.prompt_token_ids, seq.params,
+                                                        self.tokenizer, seq.adapter)
         self.controller.add(seq)
         return seq.request_id
 
     def abort(self, request_id: str) -> None:
         seq = self._seqs.pop(request_id, None)
+        self._states.pop(request_id, None)
         if seq is not None:
             self.controller.finish(seq, "abort")
 
@@ -128,38 +159,44 @@ class LLMEngine:
         return self.controller.has_work() or bool(self.controller.errored)
 
     # ---- the step ----------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Run one step; returns the outputs of every request that progressed or ended."""
+    def step_deltas(self) -> list[TokenDelta]:
+        """Run one step; the new tokens (or the end) of every request that progressed or ended."""
         touched = self.controller.errored
         self.controller.errored = []
         scheduled = self.controller.schedule()
         if scheduled is not None:
-            plan, seqs = scheduled
+            plan, items = scheduled
+            decodes = sum(1 for n, s in zip(plan.query_lens, plan.samples) if n == 1 and s)
+            self.last_step = (decodes, len(plan.input_ids) - decodes)
             try:
                 tokens, logprobs = self.executor.execute(plan)
             except Exception as exc:   # nothing is lost: the step's requests end with the error
-                for seq in seqs:
+                for seq, _ in items:
                     self.controller.finish(seq, "error", error=f"step failed: {exc!r}")
                     self._seqs.pop(seq.request_id, None)
                 raise
-            self.controller.append_tokens(seqs, tokens, logprobs, self.eos_token_ids)
-            for seq in seqs:
-                self._detokenize(seq)
-            touched = touched + seqs
+            touched = touched + self.controller.complete(items, tokens, logprobs, self.eos_token_ids)
         for seq in touched:
             if seq.is_finished:
                 self._seqs.pop(seq.request_id, None)
-        return [RequestOutput.of(seq) for seq in touched]
+        return [TokenDelta.of(seq) for seq in touched]
 
-    def _detokenize(self, seq: Sequence) -> None:
-        seq.text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-        stops = seq.params.stop
-        if not stops or seq.finish_reason == "stop":
-            return
-        hits = [i for i in (seq.text.find(s) for s in stops) if i >= 0]
-        if hits:
-            seq.text = seq.text[:min(hits)]
-            self.controller.finish(seq, "stop")
+    def step(self) -> list[RequestOutput]:
+        """Run one step; cumulative outputs (with text) of every request added with detokenize=True that
+        progressed or ended."""
+        outputs = []
+        for delta in self.step_deltas():
+            state = self._states.get(delta.request_id)
+            if state is None:
+                continue
+            if state.update(delta):   # a stop string: the request ends here
+                seq = self._seqs.pop(delta.request_id, None)
+                if seq is not None:
+                    self.controller.finish(seq, "stop")
+            outputs.append(state.output())
+            if state.finished:
+                del self._states[delta.request_id]
+        return outputs
 
     def generate(self, prompts: Seq[Prompt] | Prompt, params: SamplingParams | Seq[SamplingParams] | None = None,
                  adapters: Seq[str | None] | None = None) -> list[RequestOutput]:
@@ -170,13 +207,14 @@ class LLMEngine:
         if not len(prompts) == len(params) == len(adapters):
             raise ValueError(f"got {len(prompts)} prompts, {len(params)} sampling params, {len(adapters)} adapters")
         seqs = [self._make_sequence(p, sp, a, None) for p, sp, a in zip(prompts, params, adapters)]
-        for seq in seqs:
-            self._seqs[seq.request_id] = seq
-            self.controller.add(seq)
-        while not all(seq.is_finished for seq in seqs):
-            if not self.step():
+        ids = [self._queue(seq, detokenize=True) for seq in seqs]   # all validated before any is queued
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            outputs = self.step()
+            done.update((out.request_id, out) for out in outputs if out.finished)
+            if not outputs:
                 time.sleep(0.001)   # waiting on a background adapter load
-        return [RequestOutput.of(seq) for seq in seqs]
+        return [done[rid] for rid in ids]
 
     # ---- adapters ------------------------------------------------------------
     def _resident_adapter(self, name: str, source: str, load_id: int):
@@ -189,8 +227,10 @@ class LLMEngine:
             raise ValueError("LoRA is disabled (enable_lora=False)")
         return self.adapters
 
-    def load_adapter(self, name: str, source: str, pinned: bool = False) -> None:
-        self._need_lora().load(name, source, pinned)
+    def load_adapter(self, name: str, source: str, pinned: bool = False,
+                     preloaded: tuple[LoRAAdapter, float] | None = None) -> None:
+        """Register `name` and read its files now (or insert what `AdapterManager.read` read already)."""
+        self._need_lora().load(name, source, pinned, preloaded)
 
     def unload_adapter(self, name: str) -> None:
         self._need_lora().unload(name)
@@ -201,8 +241,8 @@ class LLMEngine:
     def stats(self) -> dict:
         c = self.controller
         out = {"step": c.step_count, "num_preemptions": c.num_preemptions, "waiting": len(c.waiting),
-               "running": len(c.running), "free_kv_blocks": c.allocator.num_free,
-               "total_kv_blocks": c.allocator.num_usable}
+               "running": len(c.running), "free_kv_blocks": c.blocks.num_free,
+               "total_kv_blocks": c.blocks.num_usable, "prefix_cache": c.blocks.stats()}
         if self.adapters:
             out["lora"] = self.adapters.stats()
         return out

@@ -8,16 +8,26 @@ import torch
 from lora.batch import LoRABatchInfo
 
 
+@dataclass(frozen=True)
+class PrefillChunk:
+    """Rows [row, row + num_tokens) of a batch: one sequence's new tokens, at positions start, start + 1, ..."""
+    row: int
+    num_tokens: int
+    start: int                            # tokens of the sequence already in the KV cache before this chunk
+    block_ids: torch.Tensor | None        # [blocks] int64 covering start + num_tokens; None when start == 0
+
+
 @dataclass
 class ForwardBatch:
-    is_prefill: bool
+    """Rows are tokens: first one row per decoding sequence, then the prefill chunks (`chunks`)."""
     input_ids: torch.Tensor                  # [T]
     positions: torch.Tensor                  # [T]
     slot_mapping: torch.Tensor               # [T] flat KV slot to write
-    logits_indices: torch.Tensor             # [B] rows whose logits are needed (last token of each seq)
-    cu_seqlens: list[int] | None = None      # prefill: packed sequence boundaries (host)
-    block_tables: torch.Tensor | None = None # decode: [B, W]
-    context_lens: torch.Tensor | None = None # decode: [B]
+    logits_indices: torch.Tensor             # [S] rows whose logits are needed (the sampling sequences' last)
+    num_decode_tokens: int = 0               # leading rows that attend through the decode kernel
+    block_tables: torch.Tensor | None = None # [num_decode_tokens, W] of those rows
+    context_lens: torch.Tensor | None = None # [num_decode_tokens]
+    chunks: tuple[PrefillChunk, ...] = ()
     lora: LoRABatchInfo | None = None        # per token
     lm_lora: LoRABatchInfo | None = None     # per logits row
     graph_safe: bool = False                 # decode ops must be capturable: device tensor ops only

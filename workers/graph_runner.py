@@ -49,10 +49,10 @@ class GraphRunner:
                              seg_slots_host=(), slot_ranks_host=(), max_rank=self.max_lora_rank, use_graph=True)
 
     def _batch(self, b: int, width: int, lora: LoRABatchInfo | None) -> ForwardBatch:
-        return ForwardBatch(is_prefill=False, input_ids=self.input_ids[:b], positions=self.positions[:b],
+        return ForwardBatch(input_ids=self.input_ids[:b], positions=self.positions[:b],
                             slot_mapping=self.slot_mapping[:b], logits_indices=self.logits_indices[:b],
-                            block_tables=self.block_tables[:b, :width], context_lens=self.context_lens[:b],
-                            lora=lora, lm_lora=lora, graph_safe=self.graph_safe)
+                            num_decode_tokens=b, block_tables=self.block_tables[:b, :width],
+                            context_lens=self.context_lens[:b], lora=lora, lm_lora=lora, graph_safe=self.graph_safe)
 
     def _fill(self, plan: StepPlan, b: int) -> int:
         """Copy the plan into the static buffers (padded rows reset); returns the block-table width used."""

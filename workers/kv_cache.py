@@ -1,11 +1,9 @@
-"""Paged KV cache: fixed-size blocks, block tables, a block allocator, attention in torch.
+"""Paged KV cache: fixed-size blocks (allocated by block_pool.py), KV writes, attention.
 
 Block 0 is a scratch block never handed out: padded rows of a decode bucket
 write their K/V there, so the write is a plain index_copy_ with no masking.
 """
 from __future__ import annotations
-
-from collections import deque
 
 import torch
 import torch.nn.functional as F
@@ -13,28 +11,6 @@ import torch.nn.functional as F
 from workers import cpu_attention
 
 SCRATCH_BLOCK = 0
-
-
-class BlockAllocator:
-    def __init__(self, num_blocks: int):
-        assert num_blocks >= 2, "need at least one usable block besides the scratch block"
-        self.num_blocks = num_blocks
-        self.free: deque[int] = deque(range(1, num_blocks))
-
-    @property
-    def num_free(self) -> int:
-        return len(self.free)
-
-    @property
-    def num_usable(self) -> int:
-        return self.num_blocks - 1
-
-    def allocate(self, n: int) -> list[int]:
-        assert n <= len(self.free), f"asked for {n} blocks, {len(self.free)} free"
-        return [self.free.popleft() for _ in range(n)]
-
-    def release(self, blocks: list[int]) -> None:
-        self.free.extend(blocks)
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -69,18 +45,52 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache.view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping, v.transpose(0, 1))
 
 
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int],
-                      scale: float) -> torch.Tensor:
-    """Causal attention within each sequence of a packed batch (fresh K/V, no cached prefix).
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, batch, scale: float) -> torch.Tensor:
+    """Attention of every row of a ForwardBatch, after the rows' K/V were written to the cache.
 
-    q: [T, H, D], k/v: [T, KVH, D] -> [T, H, D].
+    q: [T, H, D], k/v: [T, KVH, D] (the rows' own K/V) -> [T, H, D]. A pure decode batch is one
+    decode_attention call (captured / graph-safe where asked); a mixed step runs eagerly: its decode
+    rows through decode_attention, each prefill chunk through SDPA.
     """
+    if not batch.chunks:
+        return decode_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens, scale,
+                                batch.graph_safe)
     out = torch.empty_like(q)
-    for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
-        qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))
-        out[start:end] = F.scaled_dot_product_attention(
-            qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True).transpose(0, 1)
+    d = batch.num_decode_tokens
+    if d:
+        out[:d] = decode_attention(q[:d], k_cache, v_cache, batch.block_tables, batch.context_lens, scale,
+                                   graph_safe=False)
+    for c in batch.chunks:
+        rows = slice(c.row, c.row + c.num_tokens)
+        if c.start == 0:   # a whole prompt (or its first chunk): its own fresh K/V, no gather
+            out[rows] = _causal(q[rows], k[rows], v[rows], scale)
+        else:
+            out[rows] = chunk_attention(q[rows], k_cache, v_cache, c.block_ids, c.start, scale)
     return out
+
+
+def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
+                                          scale=scale, enable_gqa=True).transpose(0, 1)
+
+
+def chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor,
+                    start: int, scale: float) -> torch.Tensor:
+    """One sequence's chunk of queries over its whole context, read from its blocks in the cache.
+
+    q: [n, H, D], the tokens at positions start .. start + n - 1; block_ids: the sequence's blocks
+    covering start + n tokens -> [n, H, D]. Query i sees keys 0 .. start + i (causal, bottom-right).
+    """
+    n, context = q.shape[0], start + q.shape[0]
+    kv_heads, num_blocks, bs, D = k_cache.shape
+    rows = (torch.arange(kv_heads, device=q.device)[:, None] * num_blocks + block_ids[None, :]).reshape(-1)
+    k = k_cache.view(kv_heads * num_blocks, bs * D).index_select(0, rows).view(kv_heads, -1, D)[:, :context]
+    v = v_cache.view(kv_heads * num_blocks, bs * D).index_select(0, rows).view(kv_heads, -1, D)[:, :context]
+    visible = (torch.arange(context, device=q.device)[None, :]
+               <= (start + torch.arange(n, device=q.device))[:, None])
+    return F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=visible, scale=scale,
+                                          enable_gqa=True).transpose(0, 1)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -6,21 +6,44 @@ from dataclasses import dataclass, field
 
 @dataclass
 class StepPlan:
-    is_prefill: bool
-    input_ids: list[int]            # prefill: all tokens packed; decode: last token of each seq
+    """One step's sequences, decodes first (one token each), then prefill chunks.
+
+    Sequence i feeds `query_lens[i]` new tokens at positions `seq_lens[i] - query_lens[i]` ..
+    `seq_lens[i] - 1`; the KV of the positions before them is already in its blocks. Only the
+    sequences with `samples[i]` (their last prompt token or a decode) produce a token; the
+    sampling lists hold one entry per such sequence, in order.
+    """
+    input_ids: list[int]            # every sequence's new tokens, packed
     positions: list[int]
-    seq_lens: list[int]             # prefill: tokens of each seq; decode: context length incl. the new token
+    query_lens: list[int]           # new tokens per sequence
+    seq_lens: list[int]             # context length after this step (cached + new)
     block_tables: list[list[int]]
     lora_slots: list[int]           # per seq, -1 = base model
     # (slot, adapter, source, load id) to load first; the load id names the controller's read of the
     # files, so a rank's own copy keyed by it is re-read whenever the controller's was
     lora_loads: list[tuple[int, str, str, int]] = field(default_factory=list)
+    samples: list[bool] = field(default_factory=list)
     temperatures: list[float] = field(default_factory=list)
     top_ks: list[int] = field(default_factory=list)
     top_ps: list[float] = field(default_factory=list)
     seeds: list[int] = field(default_factory=list)
-    steps: list[int] = field(default_factory=list)   # index of the token each seq samples now
+    steps: list[int] = field(default_factory=list)   # index of the token each sampled seq draws now
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence feeds one token and samples: the shape of the captured / graph-safe decode path."""
+        return all(n == 1 for n in self.query_lens) and all(self.samples)
+
+    @property
+    def num_decode_rows(self) -> int:
+        """Leading sequences with one new token (their attention is the decode kernel's)."""
+        count = 0
+        for n in self.query_lens:
+            if n != 1:
+                break
+            count += 1
+        return count

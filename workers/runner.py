@@ -1,6 +1,7 @@
 """ModelRunner: one device's model shard, KV cache, LoRA slots; executes StepPlans.
 
-Prefill runs eagerly; decode goes through the GraphRunner.
+A pure decode step goes through the GraphRunner (captured on CUDA / NPU); every other step
+(prefill chunks, with or without decodes beside them) runs eagerly.
 """
 from __future__ import annotations
 
@@ -17,9 +18,9 @@ from lora.layers import wrap_model
 from lora.slots import GroupShape, SlotPool
 from workers.config import EngineConfig
 from workers.device import Platform
-from workers.forward_batch import ForwardBatch
+from workers.forward_batch import ForwardBatch, PrefillChunk
 from workers.graph_runner import GraphRunner
-from workers.kv_cache import KVCache
+from workers.kv_cache import KVCache, blocks_needed
 from workers.models.llama import LlamaForCausalLM
 from workers.models.loader import load_weights
 from workers.parallel import TPGroup
@@ -123,7 +124,9 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> tuple[list[int], list[float]]:
         for slot, name, source, load_id in plan.lora_loads:
             self.slot_pool.load(slot, self.get_adapter(name, source, load_id))
-        logits = self._prefill(plan) if plan.is_prefill else self._decode(plan)
+        logits = self._decode(plan) if plan.is_decode else self._mixed(plan)
+        if not plan.temperatures:   # only chunks of longer prompts: nothing to sample
+            return [], []
         tensors = SamplingTensors.from_lists(plan.temperatures, plan.top_ks, plan.top_ps, plan.seeds, plan.steps,
                                              self.vocab_size, self.device)
         tokens, logprobs = sample(logits, tensors)
@@ -131,25 +134,40 @@ class ModelRunner:
 
     def _decode(self, plan: StepPlan) -> torch.Tensor:
         # The graph-safe path reads its own static slot buffer; only the eager path needs host segments.
-        host_lora = None if self.graph_runner.graph_safe else self._lora_info(plan)
+        host_lora = None if self.graph_runner.graph_safe else self._lora_info(plan.lora_slots)
         return self.graph_runner.decode(plan, host_lora)
 
-    def _lora_info(self, plan: StepPlan, token_slots: list[int] | None = None):
+    def _lora_info(self, token_slots: list[int]):
         if self.slot_pool is None:
             return None
-        return make_batch_info(token_slots if token_slots is not None else plan.lora_slots,
-                               self.slot_pool.slot_ranks, self.config.max_lora_rank, self.device)
+        return make_batch_info(token_slots, self.slot_pool.slot_ranks, self.config.max_lora_rank, self.device)
 
-    def _prefill(self, plan: StepPlan) -> torch.Tensor:
+    def _mixed(self, plan: StepPlan) -> torch.Tensor:
+        """Any step that is not a pure decode, eagerly: decode rows first, then prefill chunks."""
         bs = self.config.kv_block_size
-        slot_mapping = [table[p // bs] * bs + p % bs
-                        for table, n in zip(plan.block_tables, plan.seq_lens) for p in range(n)]
-        cu = [0]
-        for n in plan.seq_lens:
-            cu.append(cu[-1] + n)
-        token_slots = [s for s, n in zip(plan.lora_slots, plan.seq_lens) for _ in range(n)]
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=self.device)  # noqa: E731
-        batch = ForwardBatch(is_prefill=True, input_ids=as_tensor(plan.input_ids), positions=as_tensor(plan.positions),
-                             slot_mapping=as_tensor(slot_mapping), logits_indices=as_tensor([c - 1 for c in cu[1:]]),
-                             cu_seqlens=cu, lora=self._lora_info(plan, token_slots), lm_lora=self._lora_info(plan))
+        d = plan.num_decode_rows
+        slot_mapping, token_slots, logits_indices, chunks = [], [], [], []
+        row = 0
+        for i, (n, total, table, slot) in enumerate(zip(plan.query_lens, plan.seq_lens, plan.block_tables,
+                                                        plan.lora_slots)):
+            start = total - n
+            slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, total)]
+            token_slots += [slot] * n
+            if i >= d:
+                blocks = as_tensor(table[:blocks_needed(total, bs)]) if start else None
+                chunks.append(PrefillChunk(row, n, start, blocks))
+            row += n
+            if plan.samples[i]:
+                logits_indices.append(row - 1)
+        block_tables = context_lens = None
+        if d:
+            width = max(len(t) for t in plan.block_tables[:d])
+            block_tables = as_tensor([t + [0] * (width - len(t)) for t in plan.block_tables[:d]])
+            context_lens = as_tensor(plan.seq_lens[:d])
+        lm_slots = [slot for slot, samples in zip(plan.lora_slots, plan.samples) if samples]
+        batch = ForwardBatch(input_ids=as_tensor(plan.input_ids), positions=as_tensor(plan.positions),
+                             slot_mapping=as_tensor(slot_mapping), logits_indices=as_tensor(logits_indices),
+                             num_decode_tokens=d, block_tables=block_tables, context_lens=context_lens,
+                             chunks=tuple(chunks), lora=self._lora_info(token_slots), lm_lora=self._lora_info(lm_slots))
         return self.model(batch, self.kv_cache)

@@ -1,4 +1,4 @@
-"""A request's state inside the engine, and the output handed back to callers."""
+"""A request's state inside the engine, and the outputs handed back to callers."""
 from __future__ import annotations
 
 import enum
@@ -13,7 +13,7 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)   # identity: queues remove a sequence by identity, not by comparing token lists
 class Sequence:
     request_id: str
     prompt_token_ids: list[int]
@@ -22,21 +22,43 @@ class Sequence:
     adapter: str | None = None
     arrival_step: int = 0
     status: Status = Status.WAITING
-    output_token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(init=False)   # prompt then outputs, appended in place (no copy per step)
     logprobs: list[float] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
-    text: str = ""
+    num_computed_tokens: int = 0          # tokens whose KV is in the cache (computed or a prefix-cache hit)
+    num_cached_tokens: int = 0            # of the prompt, found in the prefix cache at the last admission
+    block_hashes: list[bytes] = field(default_factory=list)   # hash chain of its full blocks (block_pool)
+    hash_key: str | None = None           # the weights `block_hashes` were computed under
+    num_registered_blocks: int = 0        # leading full blocks already offered to the prefix cache
     finish_reason: str | None = None      # "stop" | "length" | "abort" | "error"
     error: str | None = None
     num_preemptions: int = 0
-    lora_skips: int = 0                   # times passed over for lack of a LoRA slot
+    lora_skips: int = 0                   # admissions that passed it over for lack of a LoRA slot
+    num_reported: int = 0                 # output tokens already handed out in a delta
+
+    def __post_init__(self):
+        self.token_ids = list(self.prompt_token_ids)
+        self.stop_token_ids = frozenset(self.params.stop_token_ids)
 
     @property
-    def token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
 
     def __len__(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.token_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens still to run through the model; 1 for a decoding sequence (its newest token)."""
+        return len(self.token_ids) - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:
@@ -44,7 +66,31 @@ class Sequence:
 
 
 @dataclass
+class TokenDelta:
+    """What one step did to one request: its new tokens (at most one a step), or its end."""
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[float]
+    finish_reason: str | None
+    error: str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @classmethod
+    def of(cls, seq: Sequence) -> TokenDelta:
+        start = seq.num_prompt_tokens + seq.num_reported
+        seq.num_reported = seq.num_output_tokens
+        return cls(seq.request_id, seq.token_ids[start:], seq.logprobs[start - seq.num_prompt_tokens:],
+                   seq.finish_reason, seq.error, seq.num_cached_tokens)
+
+
+@dataclass
 class RequestOutput:
+    """A request's output. Cumulative (everything so far) unless it says it is a delta (new tokens and text
+    only, from `AsyncLLMEngine.generate(..., delta=True)`)."""
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]
@@ -53,12 +99,8 @@ class RequestOutput:
     finish_reason: str | None
     adapter: str | None = None
     error: str | None = None
+    num_cached_tokens: int = 0            # prompt tokens served from the prefix cache
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-    @classmethod
-    def of(cls, seq: Sequence) -> RequestOutput:
-        return cls(seq.request_id, list(seq.prompt_token_ids), list(seq.output_token_ids), seq.text,
-                   list(seq.logprobs), seq.finish_reason, seq.adapter, seq.error)

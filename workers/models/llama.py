@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.forward_batch import ForwardBatch
-from workers.kv_cache import decode_attention, prefill_attention, write_kv
+from workers.kv_cache import paged_attention, write_kv
 from workers.models.rope import RotaryEmbedding
 from workers.parallel import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RowParallelLinear,
                               TPGroup, VocabParallelEmbedding)
@@ -56,11 +56,7 @@ class Attention(nn.Module):
         q, k = self.rope(batch.positions, q, k)
         k_cache, v_cache = kv
         write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
-        if batch.is_prefill:
-            out = prefill_attention(q, k, v, batch.cu_seqlens, self.scale)
-        else:
-            out = decode_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens, self.scale,
-                                   batch.graph_safe)
+        out = paged_attention(q, k, v, k_cache, v_cache, batch, self.scale)
         return self.o_proj(out.reshape(-1, q_size), batch.lora)
 
 

@@ -1,0 +1,79 @@
+"""BlockPool: reference counts, the content-addressed cache, LRU eviction of free cached blocks."""
+from workers.block_pool import BlockPool, extend_hashes, hash_root
+
+BS = 4
+
+
+def chain(tokens, key=""):
+    return extend_hashes([], hash_root(key), tokens, BS, len(tokens))
+
+
+def test_hash_chain_names_the_whole_prefix_and_the_weights():
+    a = chain(list(range(12)))
+    assert len(a) == 3 and len(chain(list(range(13)))) == 3          # only full blocks
+    assert chain([9] + list(range(1, 12)))[1:] != a[1:]              # a change early changes every later hash
+    assert chain(list(range(12)), key="sql\x001")[0] != a[0]          # an adapter's KV never matches the base's
+    assert chain(list(range(12)), key="sql\x002")[0] != chain(list(range(12)), key="sql\x001")[0]
+    grown = chain(list(range(8)))
+    assert extend_hashes(grown, hash_root(""), list(range(12)), BS, 12) == a   # extends in place
+
+
+def test_match_take_release_share_blocks_by_reference():
+    pool = BlockPool(9)
+    hashes = chain(list(range(12)))
+    first = pool.allocate(3)
+    for block, h in zip(first, hashes):
+        pool.register(block, h)
+    assert pool.match(hashes) == first and pool.num_free == 5
+    pool.take(first[:2])                        # a second request shares the first two blocks
+    pool.release(first)                         # the first request ends
+    assert pool.ref_counts[first[0]] == 1 and pool.ref_counts[first[2]] == 0 and pool.num_free == 6
+    pool.release(first[:2])
+    assert pool.num_free == 8 and pool.match(hashes) == first   # free, and still cached
+
+
+def test_allocation_evicts_least_recently_freed_and_uncached_first():
+    pool = BlockPool(5)                          # 4 usable blocks
+    old, new = chain([1] * 8), chain([2] * 8)
+    a = pool.allocate(2)
+    b = pool.allocate(2)
+    for block, h in zip(a, old):
+        pool.register(block, h)
+    for block, h in zip(b, new):
+        pool.register(block, h)
+    pool.release(a)                              # freed first: evicted first
+    pool.release(b)
+    taken = pool.allocate(2)
+    assert sorted(taken) == sorted(a) and pool.match(old) == [] and pool.match(new) == b
+    pool.release(taken)                          # unhashed now: reused before the cached ones
+    assert sorted(pool.allocate(2)) == sorted(taken) and pool.match(new) == b
+
+
+def test_a_sequence_tail_is_evicted_before_its_shared_head():
+    pool = BlockPool(4)
+    hashes = chain(list(range(12)))
+    blocks = pool.allocate(3)
+    for block, h in zip(blocks, hashes):
+        pool.register(block, h)
+    pool.release(blocks)
+    pool.allocate(1)
+    assert pool.match(hashes) == blocks[:2]      # the last block went; the prefix still hits
+
+
+def test_duplicate_content_keeps_the_first_copy_cached():
+    pool = BlockPool(4)
+    h = chain([5] * 4)[0]
+    x, y = pool.allocate(2)
+    pool.register(x, h)
+    pool.register(y, h)                          # computed twice (two requests in one step)
+    assert pool.match([h]) == [x] and pool.block_hash[y] is None
+    pool.release([x, y])
+    assert pool.match([h]) == [x]
+
+
+def test_caching_off_never_matches():
+    pool = BlockPool(4, enable_caching=False)
+    h = chain([5] * 4)[0]
+    [x] = pool.allocate(1)
+    pool.register(x, h)
+    assert pool.match([h]) == [] and pool.stats()["cached_blocks"] == 0

@@ -1,0 +1,78 @@
+"""Tokenization in front of the engine: its own tokenizer, its own thread, a cheap length check first.
+
+The engine's step thread only schedules and runs the model, and the replica's
+event loop must keep streaming everyone's tokens, so prompts are tokenized and
+chat templates rendered on one dedicated thread with a tokenizer instance of
+its own (a Rust tokenizer must not be borrowed mutably by two threads at
+once). A text too long to fit `max_model_len` tokens under any tokenization is
+refused before it is tokenized at all.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+# Normalizers may compose characters (NFC / NFKC: a base letter and its combining marks become one),
+# so a text can shrink before it is split into tokens; 4x covers composition with room to spare.
+NORMALIZATION_SLACK = 4
+
+
+def load_tokenizer(path: str | Path):
+    return AutoTokenizer.from_pretrained(path)
+
+
+def max_prompt_chars(tokenizer, max_model_len: int) -> int:
+    """Characters above which a text has more than `max_model_len` tokens whatever it says: no token of
+    the vocabulary decodes to more characters than its own string has."""
+    longest = max((len(token) for token in tokenizer.get_vocab()), default=1)
+    return max_model_len * max(longest, 1) * NORMALIZATION_SLACK
+
+
+def check_prompt_chars(num_chars: int, limit: int, max_model_len: int) -> None:
+    if num_chars > limit:
+        raise ValueError(f"the prompt ({num_chars} characters) is far longer than max_model_len "
+                         f"({max_model_len} tokens) allows")
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    # The tokenizer's __call__ runs the Rust batch encoder, which releases the GIL while it works (the
+    # backend's single-text encode holds it: a 4 MiB prompt would stop every other Python thread ~2.5 s).
+    return tokenizer(text).input_ids
+
+
+def render_chat(tokenizer, messages: list[dict]) -> list[int]:
+    """The chat template's prompt as token ids (the template writes its own special tokens, so none are added
+    again, as transformers' own apply_chat_template(tokenize=True) does)."""
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # jinja errors: the messages do not fit the model's template
+        raise ValueError(f"chat template failed for these messages: {exc}") from exc
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+class PromptEncoder:
+    """Tokenization for one engine's callers, on its own thread; awaitable from any event loop."""
+
+    def __init__(self, model_path: str | Path, max_model_len: int):
+        self.max_model_len = max_model_len
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        self._tokenizer = self._executor.submit(load_tokenizer, model_path).result()
+        self.max_chars = max_prompt_chars(self._tokenizer, max_model_len)
+
+    async def encode(self, text: str) -> list[int]:
+        check_prompt_chars(len(text), self.max_chars, self.max_model_len)
+        return await self._run(encode, text)
+
+    async def render_chat(self, messages: list[dict]) -> list[int]:
+        size = sum(len(m.get("content") or "") for m in messages)
+        check_prompt_chars(size, self.max_chars, self.max_model_len)
+        return await self._run(render_chat, messages)
+
+    async def _run(self, fn, arg):
+        return await asyncio.wrap_future(self._executor.submit(fn, self._tokenizer, arg))
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
