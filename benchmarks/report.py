@@ -8,6 +8,7 @@ import argparse
 import json
 from pathlib import Path
 
+from benchmarks import scheduling
 from benchmarks.common import RESULTS, TARGETS
 from benchmarks.analysis import analysis
 from benchmarks.plots import plot
@@ -82,6 +83,8 @@ def targets(data: dict) -> list[tuple[str, str, str, str]]:
                  f"{data.get('throughput_bfloat16', {}).get('sizes', {}).get('batch', '?')}",
                  _fmt(frac), f">= {TARGETS['bound_fraction']}",
                  _met(None if frac is None else frac >= TARGETS["bound_fraction"])))
+    if "scheduling_bfloat16" in data:
+        rows += scheduling.target_rows(data["scheduling_bfloat16"], _spread, _verdict)
     return rows
 
 
@@ -231,6 +234,8 @@ def render(data: dict, note: str = "", results: Path = RESULTS) -> str:
         parts.append(profile_section(data["profile_decode_bfloat16"]))
     if "hotload_bfloat16" in data:
         parts.append(hotload_section(data["hotload_bfloat16"]))
+    if "scheduling_bfloat16" in data:
+        parts.append(scheduling.section(data["scheduling_bfloat16"], table, _fmt))
     if "serving_bfloat16" in data:
         parts.append(serving_section(data["serving_bfloat16"]))
     plots = [p for p in PLOTS if (results / p).exists()]

@@ -18,11 +18,11 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from benchmarks import bandwidth, hotload, peer, profile_decode, report, serving, throughput
-from benchmarks.checkpoint import build_adapters, build_checkpoint
+from benchmarks import bandwidth, hotload, peer, profile_decode, report, scheduling, serving, throughput
+from benchmarks.checkpoint import TINY, build_adapters, build_checkpoint
 from benchmarks.common import FULL, RESULTS, Sizes, sizes_from_json, write_result
 
-STEPS = ("checkpoint", "throughput", "fp32", "peer", "bandwidth", "profile", "hotload", "serving")
+STEPS = ("checkpoint", "throughput", "fp32", "peer", "bandwidth", "profile", "hotload", "scheduling", "serving")
 
 
 def run_all(sizes: Sizes = FULL, results: Path = RESULTS, out: Path | None = None, skip=("serving",), note: str = "",
@@ -50,6 +50,8 @@ def run_all(sizes: Sizes = FULL, results: Path = RESULTS, out: Path | None = Non
     step("bandwidth", lambda: bandwidth.run(sizes, "bfloat16", log=log))
     step("profile", lambda: profile_decode.run(sizes, "bfloat16", log=log))
     step("hotload", lambda: hotload.run(sizes, "bfloat16", log=log))
+    sched = scheduling.TINY_SCHED if sizes.shape == TINY else scheduling.FULL
+    step("scheduling", lambda: scheduling.run(replace(sched, threads=sizes.threads), "bfloat16", log=log))
     step("serving", lambda: serving.run(sizes, log=log))    # Ray + Serve + HTTP: skipped unless asked
     write_result("run_all", {"benchmark": "run_all", "seconds": timings, "total_s": sum(timings.values()),
                              "note": note}, results)

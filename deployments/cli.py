@@ -33,6 +33,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     run.add_argument("--max-loras-per-batch", type=int, default=4)
     run.add_argument("--max-loaded-loras", type=int, default=16)
     run.add_argument("--max-model-len", type=int, default=None)
+    run.add_argument("--max-num-batched-tokens", type=int, default=None,
+                     help="tokens per engine step, decodes first (default per device: 256 on cpu, 2048 else)")
+    run.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                     help="run long prompts in chunks beside the running decodes (default: on)")
+    run.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                     help="reuse the KV of prompt prefixes seen before, per adapter (default: on)")
     run.add_argument("--host", default="127.0.0.1")
     run.add_argument("--port", type=int, default=8000)
     run.add_argument("--name", default=DEFAULT_APP_NAME, help="Serve application name")
@@ -54,7 +60,9 @@ def config_from_args(args: argparse.Namespace) -> LLMConfig:
     return LLMConfig(model=args.model or DEMO_MODEL, adapters=adapters, tensor_parallel_size=args.tp,
                      device=args.device, num_replicas=args.replicas, max_lora_rank=args.max_lora_rank,
                      max_loras_per_batch=args.max_loras_per_batch, max_loaded_loras=args.max_loaded_loras,
-                     max_model_len=args.max_model_len)
+                     max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+                     enable_chunked_prefill=args.enable_chunked_prefill,
+                     enable_prefix_caching=args.enable_prefix_caching)
 
 
 def serve_forever(args: argparse.Namespace) -> None:

@@ -34,6 +34,9 @@ class LLMConfig(BaseModel):
     max_loras_per_batch: int = Field(4, ge=1)
     max_loaded_loras: int = Field(16, ge=1)
     max_lora_rank: int = Field(64, ge=1)
+    max_num_batched_tokens: int | None = Field(None, ge=1)   # tokens per step; default per device
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
     adapter_roots: list[str] = Field(default_factory=list)
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)   # any other EngineConfig field
     # Serve
@@ -78,7 +81,10 @@ class LLMConfig(BaseModel):
         args = dict(model=self.model, device=self.device, tensor_parallel_size=self.tensor_parallel_size,
                     dtype=self.dtype, max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
                     max_loras_per_batch=self.max_loras_per_batch, max_loaded_loras=self.max_loaded_loras,
-                    max_lora_rank=self.max_lora_rank, adapter_roots=tuple(self.adapter_roots))
+                    max_lora_rank=self.max_lora_rank, adapter_roots=tuple(self.adapter_roots),
+                    max_num_batched_tokens=self.max_num_batched_tokens,
+                    enable_chunked_prefill=self.enable_chunked_prefill,
+                    enable_prefix_caching=self.enable_prefix_caching)
         return {**args, **self.engine_kwargs}
 
     def engine_config(self) -> EngineConfig:

@@ -25,7 +25,8 @@ def test_run_all_writes_results_table_and_plots(bench_cache):
 
     names = {p.name for p in results.glob("*.json")}
     assert {"throughput_bfloat16.json", "throughput_float32.json", "peer_bfloat16.json", "bandwidth_bfloat16.json",
-            "profile_decode_bfloat16.json", "hotload_bfloat16.json", "run_all.json"} <= names
+            "profile_decode_bfloat16.json", "hotload_bfloat16.json", "scheduling_bfloat16.json",
+            "run_all.json"} <= names
     throughput = json.loads((results / "throughput_bfloat16.json").read_text())
     workloads = throughput["workloads"]
     assert set(workloads) == {"base", "one", "eight", "power_some", "power_many", "power_many_wide"}
@@ -39,8 +40,13 @@ def test_run_all_writes_results_table_and_plots(bench_cache):
     hot = json.loads((results / "hotload_bfloat16.json").read_text())
     assert hot["latency"]["total"]["p99_ms"] >= hot["latency"]["total"]["p50_ms"] > 0
 
+    sched = json.loads((results / "scheduling_bfloat16.json").read_text())
+    assert sched["variants"]["cache_on"]["hit_rate"] > 0 == sched["variants"]["cache_off"]["hit_rate"]
+    assert sched["max_gap_chunked_over_unchunked"] > 0 and sched["ttft_p50_off_over_on"] > 0
+
     table = out["report"].read_text()
     assert "## Targets" in table and "8 distinct adapters" in table and "HF+PEFT" in table
+    assert "inter-token gap" in table and "prefix caching" in table
     try:
         import matplotlib  # noqa: F401
     except ImportError:

@@ -72,6 +72,19 @@ def test_lora_budget_does_not_starve_a_waiting_adapter(model, adapters):
     assert unbounded is None or unbounded > 2 * bound
 
 
+def test_a_free_lora_slot_goes_to_the_adapter_with_most_waiting_requests(model, adapters):
+    engine = engine_with(model, adapters, max_loras_per_batch=1, max_loaded_loras=4)
+    expected = {name: run(engine, [name])[0] for name in "BC"}
+    first = engine.add_request(PROMPTS[0], GREEDY, adapter="C")
+    many = [engine.add_request(PROMPTS[0], GREEDY, adapter="B") for _ in range(3)]
+    engine.step()
+    assert {s.request_id for s in engine.controller.running} == set(many)   # a batch of 3, not of 1
+    outs = {}
+    while engine.has_unfinished():
+        outs.update({o.request_id: o for o in engine.step()})
+    assert outs[first].token_ids == expected["C"] and all(outs[r].token_ids == expected["B"] for r in many)
+
+
 def test_unload_while_decoding(model, adapters):
     engine = engine_with(model, adapters)
     expected = run(engine, ["D"])[0]

@@ -114,6 +114,12 @@ def test_cli_arguments_become_the_config():
         "/m", {"a": "/adapters/a", "b": "org/b"}, 8, "npu", 32)
     assert (args.host, args.port) == ("127.0.0.1", 8123)
     assert config_from_args(parse_args(["serve", "--demo"])).model == "demo"
+    scheduling = config_from_args(parse_args(["serve", "--max-num-batched-tokens", "128", "--no-enable-chunked-prefill",
+                                              "--no-enable-prefix-caching"])).engine_config()
+    assert (scheduling.max_num_batched_tokens, scheduling.enable_chunked_prefill,
+            scheduling.enable_prefix_caching) == (128, False, False)
+    default = config_from_args(parse_args(["serve"])).engine_config()
+    assert default.enable_chunked_prefill and default.enable_prefix_caching and default.max_num_batched_tokens is None
     with pytest.raises(SystemExit):
         parse_args(["serve", "--demo", "--model", "/m"])
     with pytest.raises(SystemExit, match="NAME=SOURCE"):

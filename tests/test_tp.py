@@ -15,6 +15,7 @@ import ray
 import torch
 
 from factories import PROMPTS, make_adapter, model_config
+from lora_fixtures import PeftOracle
 from lora.adapter import LoRAWeights, model_spec_from_hf_config
 from workers import EngineConfig, LLMEngine, SamplingParams
 from workers.models.llama import LlamaForCausalLM
@@ -121,6 +122,25 @@ def test_tp1_in_one_actor(setup):
         assert not engine.is_healthy()
         with pytest.raises(WorkerGroupError, match="unhealthy"):
             generate(engine)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("setup", ["llama"], indirect=True)
+def test_tp2_chunked_prefill_and_prefix_cache_match_peft(setup):
+    """Prompts in 16-token chunks beside decodes, then again from the prefix cache: PEFT's tokens on 2 ranks."""
+    _, path, adapters, _, _ = setup
+    oracle = PeftOracle(path, adapters)
+    requests = [(" ".join(PROMPTS), a) for a in NAMES] + REQUESTS[9:]
+    expected = [oracle.greedy(p, a, GREEDY.max_tokens) for p, a in requests]
+    engine = make_engine(path, adapters, tensor_parallel_size=2, max_num_batched_tokens=16, max_num_seqs=8,
+                         kv_block_size=4)
+    try:
+        for _ in range(2):
+            for (prompt, adapter), out, (tokens, logprobs) in zip(requests, generate(engine, requests), expected):
+                assert out.token_ids == tokens, (prompt[:20], adapter)
+                assert max(abs(a - b) for a, b in zip(out.logprobs, logprobs)) < 1e-3, (prompt[:20], adapter)
+        assert engine.stats()["prefix_cache"]["hit_tokens"] > 100
     finally:
         engine.close()
 
