@@ -5,6 +5,8 @@ batches, with budgets of 16 and 64 tokens per step (every long prompt runs in se
 other requests' decodes), with the second request of a prompt served from the prefix cache, and with a
 prompt cached under one adapter asked for under another (no hit: different weights, different KV).
 """
+import shutil
+
 import pytest
 
 from factories import PROMPTS, make_adapter
@@ -98,6 +100,18 @@ def test_prefix_cache_hits_are_exact_and_never_cross_adapters(setup, budget):
     assert cache["hit_tokens"] == 4 * ((n - 1) // 4 * 4) and cache["queried_tokens"] == 7 * n
 
 
+@pytest.mark.parametrize("budget", [16, 256])
+def test_a_burst_of_one_prompt_computes_it_once(setup, budget):
+    """Requests admitted in the same step as the one computing their prefix reuse its blocks at once."""
+    path, adapters, _, expected = setup
+    engine = make_engine(path, adapters, max_num_batched_tokens=budget, max_num_seqs=8, kv_block_size=4)
+    burst = [(LONG[1], "r4_all")] * 3
+    outs = run(engine, burst)
+    assert_exact(burst, outs, expected)
+    n = len(outs[0].prompt_token_ids)
+    assert outs[0].num_cached_tokens == 0 and all(o.num_cached_tokens == (n - 1) // 4 * 4 for o in outs[1:])
+
+
 def test_a_cached_prefix_serves_a_longer_prompt(setup):
     path, adapters, _, expected = setup
     engine = make_engine(path, adapters, max_num_batched_tokens=64, kv_block_size=4)
@@ -132,3 +146,27 @@ def test_unchunked_engine_still_prefills_whole_prompts(setup):
     assert_exact(REQUESTS, run(engine, REQUESTS), expected)
     with pytest.raises(ValueError, match="enable_chunked_prefill"):
         make_engine(path, {}, enable_chunked_prefill=False, max_num_batched_tokens=128)
+
+
+@pytest.mark.parametrize("how", ["reloaded", "paged_in_again"])
+def test_an_adapter_read_again_from_new_files_never_hits_its_old_kv(setup, tmp_path, how):
+    path, adapters, _, _ = setup
+    source = tmp_path / "x"
+    shutil.copytree(adapters["r4_all"], source)
+    engine = make_engine(path, {"x": source, "other": adapters["r16_emb_head"]}, kv_block_size=4,
+                         max_loras_per_batch=1, max_loaded_loras=1)
+    prompt = LONG[0]
+    run(engine, [(prompt, "x")])
+    make_adapter(path, source, seed=99, **ADAPTERS["r4_all"])        # retrained, saved over the old files
+    if how == "reloaded":
+        engine.unload_adapter("x")
+        engine.load_adapter("x", str(source))
+    else:                                                             # evicted from host memory, read again
+        run(engine, [(PROMPTS[0], "other")])
+        assert not engine.adapters.cache.is_resident("x")
+    [out] = run(engine, [(prompt, "x")])
+    assert out.num_cached_tokens == 0
+    tokens, logprobs = PeftOracle(path, {"x": source}).greedy(prompt, "x", MAX_TOKENS)
+    assert out.token_ids == tokens and max(abs(a - b) for a, b in zip(out.logprobs, logprobs)) < 1e-3
+    [again] = run(engine, [(prompt, "x")])                            # the new weights' KV is cached in turn
+    assert again.num_cached_tokens > 0 and again.token_ids == tokens

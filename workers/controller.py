@@ -67,6 +67,8 @@ class Controller:
                 n = min(seq.num_uncomputed, budget)
                 chunks.append((seq, n))
                 budget -= n
+        for seq, n in decodes + chunks:
+            self._cache_full_blocks(seq, seq.num_computed_tokens + n)
         admitted = self._admit(budget)
         self.running.extend(seq for seq, _ in admitted)
         scheduled = decodes + chunks + admitted
@@ -109,6 +111,7 @@ class Controller:
                 active.add(seq.adapter)
             admitted.append((seq, started))
             budget -= started
+            self._cache_full_blocks(seq, seq.num_computed_tokens + started)
         if len(active) >= limit:
             for seq in self.waiting:
                 if seq.adapter and seq.adapter not in active:
@@ -226,7 +229,6 @@ class Controller:
         produced = []
         for seq, n in scheduled:
             seq.num_computed_tokens += n
-            self._cache_full_blocks(seq)
             if seq.num_computed_tokens < len(seq):
                 continue                          # a chunk of a longer prompt: nothing sampled yet
             token, logprob = next(sampled)
@@ -240,12 +242,14 @@ class Controller:
                 self.finish(seq, "length")
         return produced
 
-    def _cache_full_blocks(self, seq: Sequence) -> None:
-        full = seq.num_computed_tokens // self.block_size
+    def _cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Offer the blocks this step fills to the prefix cache, before the step runs: every layer writes
+        the whole step's K/V before any attention reads it, so a request admitted later in the same step
+        (the other choices of an n > 1 request, a burst sharing a system prompt) already reuses them."""
+        full = num_tokens // self.block_size
         if not self.blocks.enable_caching or full <= seq.num_registered_blocks:
             return
-        extend_hashes(seq.block_hashes, hash_root(seq.hash_key), seq.token_ids, self.block_size,
-                      seq.num_computed_tokens)
+        extend_hashes(seq.block_hashes, hash_root(seq.hash_key), seq.token_ids, self.block_size, num_tokens)
         for i in range(seq.num_registered_blocks, full):
             self.blocks.register(seq.block_table[i], seq.block_hashes[i])
         seq.num_registered_blocks = full
