@@ -29,7 +29,7 @@ def _tensors(n, temperature=1.0, top_k=-1, top_p=1.0, vocab=6, seed0=0):
 def test_sampling_follows_the_distribution():
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
     n = 20000
-    tokens, _ = sample(logits.expand(n, -1), _tensors(n))
+    tokens = sample(logits.expand(n, -1), _tensors(n)).tokens
     freq = torch.bincount(tokens, minlength=6).float() / n
     probs = torch.softmax(logits, -1)
     assert torch.all((freq - probs).abs() < 4 * torch.sqrt(probs * (1 - probs) / n) + 1e-3)
@@ -38,16 +38,17 @@ def test_sampling_follows_the_distribution():
 def test_top_k_top_p_and_temperature():
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
     n = 4000
-    tokens, logprobs = sample(logits.expand(n, -1), _tensors(n, top_k=2))
+    result = sample(logits.expand(n, -1), _tensors(n, top_k=2))
+    tokens, logprobs = result.tokens, result.logprobs
     assert set(tokens.tolist()) == {0, 1}
     # logprobs are of the model's own (untempered, unfiltered) distribution
     assert torch.allclose(logprobs, torch.log_softmax(logits, -1)[tokens])
     probs = torch.softmax(logits, -1)
-    tokens, _ = sample(logits.expand(n, -1), _tensors(n, top_p=float(probs[0] + probs[1] / 2)))
+    tokens = sample(logits.expand(n, -1), _tensors(n, top_p=float(probs[0] + probs[1] / 2))).tokens
     assert set(tokens.tolist()) == {0, 1}
-    tokens, _ = sample(logits.expand(n, -1), _tensors(n, temperature=0.05))
+    tokens = sample(logits.expand(n, -1), _tensors(n, temperature=0.05)).tokens
     assert (tokens == 0).float().mean() > 0.99
-    greedy, _ = sample(logits.expand(3, -1), _tensors(3, temperature=0.0))
+    greedy = sample(logits.expand(3, -1), _tensors(3, temperature=0.0)).tokens
     assert greedy.tolist() == [0, 0, 0]
 
 

@@ -10,6 +10,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 GREEDY_BELOW = 1e-5      # temperatures under this sample greedily (vLLM's rule): 1/T would overflow to NaN
 MAX_STOP_STRINGS = 16    # each one is searched for after every token
 MAX_STOP_LENGTH = 256    # characters; also what streaming holds back
+MAX_LOGPROBS = 20        # alternatives per token (OpenAI's top_logprobs bound)
+MAX_LOGIT_BIAS = 300     # entries (OpenAI's bound); each request's bias sits in a fixed device buffer
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,18 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = True
+    top_logprobs: int = 0                       # alternatives (token id, logprob) per sampled token
+    prompt_logprobs: int | None = None          # logprobs of the prompt's own tokens, and this many alternatives
+    presence_penalty: float = 0.0               # OpenAI's: minus this once a token has appeared in the output
+    frequency_penalty: float = 0.0              # OpenAI's: minus this times the token's count in the output
+    repetition_penalty: float = 1.0             # vLLM's / HF's: prompt or output tokens' logits /= (or *=) this
+    min_p: float = 0.0                          # drop tokens below min_p x the likeliest token's probability
+    min_tokens: int = 0                         # no EOS, stop token or stop string before this many tokens
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (-100 .. 100)
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (self.presence_penalty, self.frequency_penalty, self.repetition_penalty) != (0.0, 0.0, 1.0)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -111,3 +125,36 @@ class SamplingParams:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         if max(map(len, self.stop), default=0) > MAX_STOP_LENGTH:
             raise ValueError(f"stop strings must be at most {MAX_STOP_LENGTH} characters")
+        self._check_processors()
+
+    def _check_processors(self) -> None:
+        def need(ok: bool, msg: str):
+            if not ok:
+                raise ValueError(msg)
+
+        def number(name: str, low: float, high: float) -> None:
+            value = getattr(self, name)
+            need(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                 and low <= value <= high, f"{name} must be a number in [{low}, {high}], got {value!r}")
+
+        def count(name: str, high: int, allow_none: bool = False) -> None:
+            value = getattr(self, name)
+            need((allow_none and value is None) or (isinstance(value, int) and not isinstance(value, bool)
+                                                     and 0 <= value <= high),
+                 f"{name} must be an integer in [0, {high}], got {value!r}")
+
+        number("presence_penalty", -2.0, 2.0)
+        number("frequency_penalty", -2.0, 2.0)
+        number("repetition_penalty", 0.0, 2.0)
+        need(self.repetition_penalty > 0, "repetition_penalty must be > 0")
+        number("min_p", 0.0, 1.0)
+        count("top_logprobs", MAX_LOGPROBS)
+        count("prompt_logprobs", MAX_LOGPROBS, allow_none=True)
+        count("min_tokens", self.max_tokens)
+        bias = self.logit_bias or {}
+        need(len(bias) <= MAX_LOGIT_BIAS, f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}")
+        for token, value in bias.items():
+            need(isinstance(token, int) and not isinstance(token, bool) and token >= 0,
+                 f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+            need(isinstance(value, (int, float)) and not isinstance(value, bool) and -100 <= value <= 100,
+                 f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {token}")

@@ -26,14 +26,16 @@ from workers.adapters import AdapterManager
 from workers.block_pool import BlockPool, extend_hashes, hash_root
 from workers.config import EngineConfig
 from workers.kv_cache import blocks_needed
-from workers.plan import StepPlan
+from workers.plan import StepOutput, StepPlan
 from workers.sequence import Sequence, Status
 
 
 class Controller:
     def __init__(self, config: EngineConfig, num_kv_blocks: int, max_model_len: int,
-                 max_num_batched_tokens: int, adapters: AdapterManager | None):
+                 max_num_batched_tokens: int, adapters: AdapterManager | None, eos_token_ids: frozenset = frozenset()):
         self.config = config
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.free_sampler_slots = list(range(config.max_num_seqs - 1, -1, -1))   # one per running sequence
         self.block_size = config.kv_block_size
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -57,6 +59,7 @@ class Controller:
     def schedule(self) -> tuple[StepPlan, list[tuple[Sequence, int]]] | None:
         """The step's plan and its (sequence, new tokens) in plan order; None when nothing can run."""
         self.step_count += 1
+        self._new_sampler_slots: list[Sequence] = []
         budget = self.max_num_batched_tokens
         self._reserve_decode_blocks()
         decodes = [(seq, 1) for seq in self.running if seq.num_uncomputed == 1]
@@ -143,8 +146,10 @@ class Controller:
         if seq.hash_key != key:
             seq.block_hashes, seq.hash_key, seq.num_registered_blocks = [], key, 0
         extend_hashes(seq.block_hashes, hash_root(key), seq.token_ids, self.block_size, len(seq))
-        # The last token is always computed: its logits are what the step samples from.
-        hit = self.blocks.match(seq.block_hashes[:(len(seq) - 1) // self.block_size])
+        # The last token is always computed: its logits are what the step samples from. Prompt logprobs
+        # need every prompt token's logits, so such a request computes its whole prompt.
+        usable = 0 if seq.params.prompt_logprobs is not None else (len(seq) - 1) // self.block_size
+        hit = self.blocks.match(seq.block_hashes[:usable])
         cached = len(hit) * self.block_size
         need = blocks_needed(len(seq), self.block_size) - len(hit)
         if (need > self.blocks.num_free_after_taking(hit)
@@ -160,6 +165,8 @@ class Controller:
             seq.num_cached_tokens = cached
             self.blocks.record_query(len(seq), cached)
         seq.status = Status.RUNNING
+        seq.sampler_slot = self.free_sampler_slots.pop()
+        self._new_sampler_slots.append(seq)
         self.waiting.remove(seq)
         return min(len(seq) - cached, budget)
 
@@ -200,43 +207,68 @@ class Controller:
         # Decodes first, then chunks; within each, by slot: one LoRA segment per adapter.
         scheduled.sort(key=lambda item: (item[1] > 1 or item[0].num_uncomputed > 1, slot_of(item[0].adapter)))
         plan = StepPlan(input_ids=[], positions=[], query_lens=[], seq_lens=[], block_tables=[], lora_slots=[],
-                        lora_loads=loads)
+                        lora_loads=loads, sampler_inits=[self._sampler_init(s) for s in self._new_sampler_slots])
         for seq, n in scheduled:
-            start = seq.num_computed_tokens
+            start, p = seq.num_computed_tokens, seq.params
             plan.input_ids += seq.token_ids[start:start + n]
             plan.positions += range(start, start + n)
             plan.query_lens.append(n)
             plan.seq_lens.append(start + n)
             plan.block_tables.append(list(seq.block_table))
             plan.lora_slots.append(slot_of(seq.adapter))
+            targets = None
+            if p.prompt_logprobs is not None:   # each new prompt position scores the prompt token after it
+                targets = seq.prompt_token_ids[start + 1:min(start + n + 1, seq.num_prompt_tokens)]
+                plan.num_prompt_logprobs = max(plan.num_prompt_logprobs, p.prompt_logprobs)
+            plan.prompt_logprob_targets.append(targets)
             samples = start + n == len(seq)
             plan.samples.append(samples)
             if samples:
-                p = seq.params
                 plan.temperatures.append(p.temperature)
                 plan.top_ks.append(p.top_k)
                 plan.top_ps.append(p.top_p)
                 plan.seeds.append(seq.seed)
                 plan.steps.append(seq.num_output_tokens)
+                plan.sampler_slots.append(seq.sampler_slot)
+                plan.min_ps.append(p.min_p)
+                plan.penalties.append((p.presence_penalty, p.frequency_penalty, p.repetition_penalty))
+                plan.hold_stops.append(seq.num_output_tokens < p.min_tokens)
+                plan.top_logprobs.append(p.top_logprobs)
+                plan.use_bias = plan.use_bias or bool(p.logit_bias)
         return plan, scheduled
 
+    def _sampler_init(self, seq: Sequence) -> tuple[int, list[int], list[int], list[int], dict]:
+        p = seq.params
+        return (seq.sampler_slot, list(seq.prompt_token_ids) if p.repetition_penalty != 1.0 else [],
+                seq.output_token_ids, sorted(seq.stop_token_ids | self.eos_token_ids) if p.min_tokens else [],
+                dict(p.logit_bias or {}))
+
     # ---- after a step ----------------------------------------------------
-    def complete(self, scheduled: list[tuple[Sequence, int]], tokens: list[int], logprobs: list[float],
-                 eos_token_ids: set[int]) -> list[Sequence]:
-        """Record a step's work: computed tokens, new full blocks into the prefix cache, sampled tokens and
-        stop conditions. Returns the sequences that produced a token."""
-        sampled = iter(zip(tokens, logprobs))
+    def complete(self, scheduled: list[tuple[Sequence, int]], out: StepOutput) -> list[Sequence]:
+        """Record a step's work: computed tokens, prompt logprobs, sampled tokens and stop conditions.
+        Returns the sequences that produced a token."""
+        row = 0
         produced = []
-        for seq, n in scheduled:
+        for i, (seq, n) in enumerate(scheduled):
+            start = seq.num_computed_tokens
             seq.num_computed_tokens += n
+            if out.prompt_logprobs and out.prompt_logprobs[i] is not None:
+                if not seq.prompt_logprobs:
+                    seq.prompt_logprobs.append(None)   # the first prompt token has no context to score it
+                for j, (logprob, top) in enumerate(out.prompt_logprobs[i]):
+                    if len(seq.prompt_logprobs) == start + 1 + j:   # recomputed after preemption: kept once
+                        seq.prompt_logprobs.append((logprob, top[:seq.params.prompt_logprobs]))
             if seq.num_computed_tokens < len(seq):
                 continue                          # a chunk of a longer prompt: nothing sampled yet
-            token, logprob = next(sampled)
+            token = out.tokens[row]
             seq.token_ids.append(token)
-            seq.logprobs.append(logprob)
+            seq.logprobs.append(out.logprobs[row])
+            if seq.params.top_logprobs:
+                seq.top_logprobs.append(out.top_logprobs[row][:seq.params.top_logprobs])
+            row += 1
             produced.append(seq)
-            p = seq.params
-            if token in seq.stop_token_ids or (token in eos_token_ids and not p.ignore_eos):
+            p = seq.params   # (min_tokens: the sampler held the stop tokens back until it was reached)
+            if token in seq.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos):
                 self.finish(seq, "stop")
             elif seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
                 self.finish(seq, "length")
@@ -270,5 +302,7 @@ class Controller:
         self.blocks.release(seq.block_table)
         seq.block_table = []
         seq.num_computed_tokens = 0
+        self.free_sampler_slots.append(seq.sampler_slot)
+        seq.sampler_slot = -1
         if seq.adapter:
             self.adapters.release(seq.adapter)

@@ -52,13 +52,20 @@ class LLMEngine:
                                            load_timeout_s=config.adapter_load_timeout_s)
         self.executor = self._make_executor()
         self.controller = Controller(config, self.runtime.num_kv_blocks, self.runtime.max_model_len,
-                                     self.max_num_batched_tokens, self.adapters)
-        self.eos_token_ids = _eos_ids(hf_config, self.tokenizer)
+                                     self.max_num_batched_tokens, self.adapters, _eos_ids(hf_config, self.tokenizer))
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._seqs: dict[str, Sequence] = {}
         self._states: dict[str, RequestState] = {}   # requests added with detokenize=True
         self.last_step = (0, 0)   # (decode tokens, prefill tokens) of the last step that ran: benchmarks, stats
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.controller.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids) -> None:
+        self.controller.eos_token_ids = frozenset(ids)
 
     def _token_budget(self) -> int:
         """Tokens per step: the config's, or the device's default (see device.py); without chunked prefill
@@ -121,6 +128,10 @@ class LLMEngine:
                                  f"[0, {self.runtime.hf_config.vocab_size})")
         if not token_ids:
             raise ValueError("prompt is empty")
+        vocab = self.runtime.hf_config.vocab_size
+        bad = [t for t in (params.logit_bias or {}) if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         limit = self.runtime.max_model_len
         if len(token_ids) + params.max_tokens > limit:
             raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
@@ -169,13 +180,13 @@ class LLMEngine:
             decodes = sum(1 for n, s in zip(plan.query_lens, plan.samples) if n == 1 and s)
             self.last_step = (decodes, len(plan.input_ids) - decodes)
             try:
-                tokens, logprobs = self.executor.execute(plan)
+                out = self.executor.execute(plan)
             except Exception as exc:   # nothing is lost: the step's requests end with the error
                 for seq, _ in items:
                     self.controller.finish(seq, "error", error=f"step failed: {exc!r}")
                     self._seqs.pop(seq.request_id, None)
                 raise
-            touched = touched + self.controller.complete(items, tokens, logprobs, self.eos_token_ids)
+            touched = touched + self.controller.complete(items, out)
         for seq in touched:
             if seq.is_finished:
                 self._seqs.pop(seq.request_id, None)

@@ -74,9 +74,12 @@ class RequestState:
         self.request_id, self.prompt_token_ids, self.adapter = request_id, prompt_token_ids, adapter
         self.detokenizer = IncrementalDetokenizer(tokenizer)
         self.stops = params.stop
+        self.min_tokens = params.min_tokens     # stop strings count only from then on, as in vLLM
         self.max_stop = max((len(s) for s in self.stops), default=0)
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
+        self.top_logprobs: list | None = [] if params.top_logprobs else None
+        self.prompt_logprobs: list | None = None
         self.text = ""
         self.finish_reason: str | None = None
         self.error: str | None = None
@@ -94,18 +97,22 @@ class RequestState:
         if self.finished:
             return False
         self.num_cached_tokens = delta.num_cached_tokens
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         for i, token in enumerate(delta.new_token_ids):   # one at a time: a stop string ends at its token
             self.token_ids.append(token)
             self.logprobs.append(delta.new_logprobs[i])
+            if self.top_logprobs is not None:
+                self.top_logprobs.append(delta.new_top_logprobs[i])
             before = len(self.text)
             self.text += self.detokenizer.add([token])
-            if self.stops and self._cut_at_stop(before):
+            if self.stops and len(self.token_ids) >= self.min_tokens and self._cut_at_stop(before):
                 self.finish_reason = "stop"
                 return True
         if delta.finished:
             before = len(self.text)
             self.text += self.detokenizer.flush()
-            if self.stops and self._cut_at_stop(before):
+            if self.stops and len(self.token_ids) >= self.min_tokens and self._cut_at_stop(before):
                 self.finish_reason = "stop"
                 return False          # the engine has ended it already
             self.finish_reason, self.error = delta.finish_reason, delta.error
@@ -121,14 +128,16 @@ class RequestState:
     def output(self, delta: bool = False) -> RequestOutput:
         """Everything so far, or (delta) what is new since the last delta. A delta holds back text that may
         still turn out to be the start of a stop string."""
+        top = self.top_logprobs
         if not delta:
             return RequestOutput(self.request_id, list(self.prompt_token_ids), list(self.token_ids), self.text,
                                  list(self.logprobs), self.finish_reason, self.adapter, self.error,
-                                 self.num_cached_tokens)
+                                 self.num_cached_tokens, None if top is None else list(top), self.prompt_logprobs)
         end = len(self.text) if self.finished else max(self._sent_text, len(self.text) - max(self.max_stop - 1, 0))
-        out = RequestOutput(self.request_id, [] if self._sent_prompt else self.prompt_token_ids,
-                            self.token_ids[self._sent_tokens:], self.text[self._sent_text:end],
-                            self.logprobs[self._sent_tokens:], self.finish_reason, self.adapter, self.error,
-                            self.num_cached_tokens)
+        first, new = not self._sent_prompt, slice(self._sent_tokens, None)
+        out = RequestOutput(self.request_id, self.prompt_token_ids if first else [], self.token_ids[new],
+                            self.text[self._sent_text:end], self.logprobs[new], self.finish_reason, self.adapter,
+                            self.error, self.num_cached_tokens, None if top is None else top[new],
+                            self.prompt_logprobs if first else None)
         self._sent_prompt, self._sent_tokens, self._sent_text = True, len(self.token_ids), end
         return out

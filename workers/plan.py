@@ -28,6 +28,22 @@ class StepPlan:
     top_ps: list[float] = field(default_factory=list)
     seeds: list[int] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)   # index of the token each sampled seq draws now
+    sampler_slots: list[int] = field(default_factory=list)   # its row of the workers' SamplerState
+    min_ps: list[float] = field(default_factory=list)
+    penalties: list[tuple[float, float, float]] = field(default_factory=list)   # presence, frequency, repetition
+    hold_stops: list[bool] = field(default_factory=list)    # min_tokens not reached: no stop token yet
+    top_logprobs: list[int] = field(default_factory=list)
+    use_bias: bool = False
+    # (slot, prompt ids, output ids, stop ids, logit bias) for each sequence taking a sampler slot now;
+    # ids a request's options do not need are left empty (host data stays small)
+    sampler_inits: list[tuple[int, list[int], list[int], list[int], dict]] = field(default_factory=list)
+    # per sequence: the prompt tokens its new tokens' logits are scored against (prompt logprobs), or None
+    prompt_logprob_targets: list[list[int] | None] = field(default_factory=list)
+    num_prompt_logprobs: int = 0                     # alternatives per prompt token (the most any seq asked)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return any(t is not None for t in self.prompt_logprob_targets)
 
     @property
     def num_seqs(self) -> int:
@@ -36,7 +52,7 @@ class StepPlan:
     @property
     def is_decode(self) -> bool:
         """Every sequence feeds one token and samples: the shape of the captured / graph-safe decode path."""
-        return all(n == 1 for n in self.query_lens) and all(self.samples)
+        return all(n == 1 for n in self.query_lens) and all(self.samples) and not self.wants_prompt_logprobs
 
     @property
     def num_decode_rows(self) -> int:
@@ -47,3 +63,13 @@ class StepPlan:
                 break
             count += 1
         return count
+
+
+@dataclass
+class StepOutput:
+    """What rank 0 sends back: per sampled sequence its token, logprob and top alternatives; per sequence
+    that asked, (logprob, alternatives) of each prompt token its new tokens predicted."""
+    tokens: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_logprobs: list[list[tuple[float, list[tuple[int, float]]]] | None] | None = None

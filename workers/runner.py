@@ -16,7 +16,7 @@ from lora.backends.registry import get_lora_backend
 from lora.batch import make_batch_info
 from lora.layers import wrap_model
 from lora.slots import GroupShape, SlotPool
-from workers.config import EngineConfig
+from workers.config import MAX_LOGIT_BIAS, EngineConfig
 from workers.device import Platform
 from workers.forward_batch import ForwardBatch, PrefillChunk
 from workers.graph_runner import GraphRunner
@@ -24,8 +24,8 @@ from workers.kv_cache import KVCache, blocks_needed
 from workers.models.llama import LlamaForCausalLM
 from workers.models.loader import load_weights
 from workers.parallel import TPGroup
-from workers.plan import StepPlan
-from workers.sampler import SamplingTensors, sample
+from workers.plan import StepOutput, StepPlan
+from workers.sampler import SamplerState, SamplingTensors, sample
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -92,6 +92,7 @@ class ModelRunner:
         self.kv_cache = KVCache(cfg.num_hidden_layers, runtime.num_kv_blocks, config.kv_block_size,
                                 attn.num_kv_heads, attn.head_dim, self.dtype, device)
         self.vocab_size = cfg.vocab_size
+        self.sampler_state = SamplerState(config.max_num_seqs, cfg.vocab_size, MAX_LOGIT_BIAS, device)
         self.get_adapter = get_adapter
         self.slot_pool = self._init_lora() if config.enable_lora else None
         graph_safe = config.graph_safe_decode
@@ -121,16 +122,27 @@ class ModelRunner:
         return pool
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> tuple[list[int], list[float]]:
+    def execute(self, plan: StepPlan) -> StepOutput:
         for slot, name, source, load_id in plan.lora_loads:
             self.slot_pool.load(slot, self.get_adapter(name, source, load_id))
+        for init in plan.sampler_inits:
+            self.sampler_state.init_slot(*init)
         logits = self._decode(plan) if plan.is_decode else self._mixed(plan)
-        if not plan.temperatures:   # only chunks of longer prompts: nothing to sample
-            return [], []
-        tensors = SamplingTensors.from_lists(plan.temperatures, plan.top_ks, plan.top_ps, plan.seeds, plan.steps,
-                                             self.vocab_size, self.device)
-        tokens, logprobs = sample(logits, tensors)
-        return tokens.tolist(), logprobs.tolist()
+        num_sampled = len(plan.temperatures)
+        out = StepOutput([], [])
+        if plan.wants_prompt_logprobs:
+            out.prompt_logprobs = prompt_logprobs(logits[num_sampled:], plan)
+        if num_sampled:   # else: only chunks of longer prompts, nothing to sample
+            tensors = SamplingTensors.from_lists(
+                plan.temperatures, plan.top_ks, plan.top_ps, plan.seeds, plan.steps, self.vocab_size, self.device,
+                min_ps=plan.min_ps, slots=plan.sampler_slots, penalties=plan.penalties, hold_stops=plan.hold_stops,
+                use_bias=plan.use_bias, num_top_logprobs=max(plan.top_logprobs, default=0))
+            result = sample(logits[:num_sampled], tensors, self.sampler_state)
+            out.tokens, out.logprobs = result.tokens.tolist(), result.logprobs.tolist()
+            if result.top_ids is not None:
+                out.top_logprobs = [list(zip(ids, lps)) for ids, lps in zip(result.top_ids.tolist(),
+                                                                           result.top_logprobs.tolist())]
+        return out
 
     def _decode(self, plan: StepPlan) -> torch.Tensor:
         # The graph-safe path reads its own static slot buffer; only the eager path needs host segments.
@@ -148,6 +160,7 @@ class ModelRunner:
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=self.device)  # noqa: E731
         d = plan.num_decode_rows
         slot_mapping, token_slots, logits_indices, chunks = [], [], [], []
+        prompt_rows, prompt_slots = [], []   # rows scored for prompt logprobs: after the sampled ones
         row = 0
         for i, (n, total, table, slot) in enumerate(zip(plan.query_lens, plan.seq_lens, plan.block_tables,
                                                         plan.lora_slots)):
@@ -157,6 +170,10 @@ class ModelRunner:
             if i >= d:
                 blocks = as_tensor(table[:blocks_needed(total, bs)]) if start else None
                 chunks.append(PrefillChunk(row, n, start, blocks))
+            targets = plan.prompt_logprob_targets[i] if plan.prompt_logprob_targets else None
+            if targets:
+                prompt_rows += range(row, row + len(targets))
+                prompt_slots += [slot] * len(targets)
             row += n
             if plan.samples[i]:
                 logits_indices.append(row - 1)
@@ -165,9 +182,31 @@ class ModelRunner:
             width = max(len(t) for t in plan.block_tables[:d])
             block_tables = as_tensor([t + [0] * (width - len(t)) for t in plan.block_tables[:d]])
             context_lens = as_tensor(plan.seq_lens[:d])
-        lm_slots = [slot for slot, samples in zip(plan.lora_slots, plan.samples) if samples]
+        lm_slots = [slot for slot, samples in zip(plan.lora_slots, plan.samples) if samples] + prompt_slots
         batch = ForwardBatch(input_ids=as_tensor(plan.input_ids), positions=as_tensor(plan.positions),
-                             slot_mapping=as_tensor(slot_mapping), logits_indices=as_tensor(logits_indices),
+                             slot_mapping=as_tensor(slot_mapping), logits_indices=as_tensor(logits_indices + prompt_rows),
                              num_decode_tokens=d, block_tables=block_tables, context_lens=context_lens,
                              chunks=tuple(chunks), lora=self._lora_info(token_slots), lm_lora=self._lora_info(lm_slots))
         return self.model(batch, self.kv_cache)
+
+
+def prompt_logprobs(logits: torch.Tensor, plan: StepPlan) -> list:
+    """Per sequence (None where not asked): (logprob, top alternatives) of each prompt token scored in this
+    step; `logits` holds their rows, sequence after sequence. Raw distribution, as for sampled tokens."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    targets = [t for t in plan.prompt_logprob_targets if t]
+    chosen = logprobs.gather(-1, torch.tensor([x for t in targets for x in t], dtype=torch.int64,
+                                              device=logits.device)[:, None]).squeeze(-1).tolist()
+    k = plan.num_prompt_logprobs
+    top = [[] for _ in chosen]
+    if k:
+        values, ids = logprobs.topk(k, dim=-1)
+        top = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    out, row = [], 0
+    for t in plan.prompt_logprob_targets:
+        if t is None:
+            out.append(None)
+            continue
+        out.append(list(zip(chosen[row:row + len(t)], top[row:row + len(t)])))
+        row += len(t)
+    return out

@@ -1,9 +1,17 @@
-"""Batched sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
+"""Batched sampling: logit processors, greedy / temperature / min-p / top-k / top-p, seeds, logprobs.
 
 Randomness is a counter-based hash of (request seed, token index, vocab id),
 so a request's samples never depend on what else is in the batch or on a
 global generator, and the whole sampler is fixed-shape tensor code with no host
-sync (it can run inside a captured graph).
+sync (it can run inside a captured graph). Per-sequence history (the
+penalties' token counts, the logit bias, the tokens min_tokens holds back)
+lives in fixed device buffers indexed by the sequence's sampler slot
+(SamplerState), so no step builds vocab-sized tensors from host data.
+
+Order, as vLLM's: min_tokens and logit_bias on the raw logits, then the
+repetition / frequency / presence penalties, then temperature, min-p, top-k,
+top-p. Returned logprobs (the sampled token's and the top alternatives) are
+of the raw distribution, before any of these (vLLM's default `raw_logprobs`).
 """
 from __future__ import annotations
 
@@ -23,18 +31,70 @@ class SamplingTensors:
     steps: torch.Tensor          # [B] int64, index of the token being sampled
     needs_sorting: bool          # host flag: any row uses top-k or top-p
     all_greedy: bool = False     # host flag: every row has temperature 0
+    min_ps: torch.Tensor | None = None          # [B] fp32; None: no row uses min-p
+    slots: torch.Tensor | None = None           # [B] int64 sampler slots (the rows of SamplerState)
+    penalties: torch.Tensor | None = None       # [B, 3] fp32 presence, frequency, repetition
+    hold_stops: torch.Tensor | None = None      # [B] bool: min_tokens not reached yet
+    use_bias: bool = False
+    num_top_logprobs: int = 0                   # host: the most alternatives any row asked for
 
     @classmethod
-    def from_lists(cls, temperatures, top_ks, top_ps, seeds, steps, vocab_size: int, device) -> SamplingTensors:
+    def from_lists(cls, temperatures, top_ks, top_ps, seeds, steps, vocab_size: int, device, *, min_ps=(),
+                   slots=(), penalties=(), hold_stops=(), use_bias: bool = False,
+                   num_top_logprobs: int = 0) -> SamplingTensors:
         ks = [vocab_size if k <= 0 else min(k, vocab_size) for k in top_ks]
+        f32 = dict(dtype=torch.float32, device=device)
+        i64 = dict(dtype=torch.int64, device=device)
+        penalized = any(p != (0.0, 0.0, 1.0) for p in penalties)
         return cls(
-            temperatures=torch.tensor(temperatures, dtype=torch.float32, device=device),
-            top_ks=torch.tensor(ks, dtype=torch.int64, device=device),
-            top_ps=torch.tensor(top_ps, dtype=torch.float32, device=device),
-            seeds=torch.tensor([s & _MASK32 for s in seeds], dtype=torch.int64, device=device),
-            steps=torch.tensor(steps, dtype=torch.int64, device=device),
+            temperatures=torch.tensor(temperatures, **f32),
+            top_ks=torch.tensor(ks, **i64),
+            top_ps=torch.tensor(top_ps, **f32),
+            seeds=torch.tensor([s & _MASK32 for s in seeds], **i64),
+            steps=torch.tensor(steps, **i64),
             needs_sorting=any(k < vocab_size for k in ks) or any(p < 1.0 for p in top_ps),
-            all_greedy=all(t == 0 for t in temperatures))
+            all_greedy=all(t == 0 for t in temperatures),
+            min_ps=torch.tensor(min_ps, **f32) if any(min_ps) else None,
+            slots=torch.tensor(slots, **i64) if slots else None,
+            penalties=torch.tensor(penalties, **f32) if penalized else None,
+            hold_stops=torch.tensor(hold_stops, dtype=torch.bool, device=device) if any(hold_stops) else None,
+            use_bias=use_bias, num_top_logprobs=num_top_logprobs)
+
+
+class SamplerState:
+    """Per-sequence history in fixed buffers, one row per sampler slot (the controller assigns slots)."""
+
+    def __init__(self, num_slots: int, vocab_size: int, max_bias_entries: int, device):
+        self.output_counts = torch.zeros(num_slots, vocab_size, dtype=torch.int32, device=device)
+        self.prompt_mask = torch.zeros(num_slots, vocab_size, dtype=torch.bool, device=device)
+        self.stop_mask = torch.zeros(num_slots, vocab_size, dtype=torch.bool, device=device)
+        self.bias_ids = torch.zeros(num_slots, max_bias_entries, dtype=torch.int64, device=device)
+        self.bias_values = torch.zeros(num_slots, max_bias_entries, dtype=torch.float32, device=device)
+
+    def init_slot(self, slot: int, prompt_ids: list[int], output_ids: list[int], stop_ids: list[int],
+                  logit_bias: dict[int, float]) -> None:
+        """A sequence takes `slot` (admitted, or admitted again after preemption). Every admitted sequence
+        does, so no row holds what an earlier occupant left; the ids a request does not need are empty."""
+        device = self.output_counts.device
+        as_ids = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
+        self.output_counts[slot].zero_()
+        if output_ids:
+            self.output_counts[slot].index_add_(0, as_ids(output_ids), torch.ones(len(output_ids), dtype=torch.int32,
+                                                                                  device=device))
+        for mask, ids in ((self.prompt_mask, prompt_ids), (self.stop_mask, stop_ids)):
+            mask[slot].zero_()
+            if ids:
+                mask[slot, as_ids(ids)] = True
+        self.bias_ids[slot].zero_()
+        self.bias_values[slot].zero_()
+        if logit_bias:
+            n = len(logit_bias)
+            self.bias_ids[slot, :n] = as_ids(list(logit_bias))
+            self.bias_values[slot, :n] = torch.tensor(list(logit_bias.values()), dtype=torch.float32, device=device)
+
+    def record(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Count the sampled tokens (fixed shape: one index_put per step)."""
+        self.output_counts.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -53,33 +113,71 @@ def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> 
     return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
 
 
-def _filter_top_k_top_p(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+def apply_processors(logits: torch.Tensor, t: SamplingTensors, state: SamplerState | None) -> torch.Tensor:
+    """min_tokens, logit_bias, then the penalties; a new tensor (the raw logits stay for logprobs)."""
+    if t.hold_stops is None and not t.use_bias and t.penalties is None:
+        return logits
+    logits = logits.clone()
+    slots = t.slots
+    if t.hold_stops is not None:      # min_tokens: the stop tokens cannot be chosen yet
+        logits.masked_fill_(state.stop_mask[slots] & t.hold_stops[:, None], float("-inf"))
+    if t.use_bias:                    # unused entries add 0 to token 0
+        logits.scatter_add_(1, state.bias_ids[slots], state.bias_values[slots])
+    if t.penalties is not None:
+        presence, frequency, repetition = t.penalties.unbind(1)
+        counts = state.output_counts[slots].float()
+        seen = state.prompt_mask[slots] | (counts > 0)
+        # vLLM's (and HF's) repetition penalty: divide positive logits, multiply negative ones
+        repeated = torch.where(logits > 0, logits / repetition[:, None], logits * repetition[:, None])
+        logits = torch.where(seen, repeated, logits)
+        logits -= frequency[:, None] * counts + presence[:, None] * (counts > 0)
+    return logits
+
+
+def _filter(probs: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    if t.min_ps is not None:          # min-p: drop tokens below min_p times the likeliest one's probability
+        probs = probs.masked_fill(probs < t.min_ps[:, None] * probs.amax(-1, keepdim=True), 0.0)
+    if not t.needs_sorting:
+        return probs
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
     cumulative = sorted_probs.cumsum(dim=-1)
-    drop = (rank >= top_ks[:, None]) | ((cumulative - sorted_probs) > top_ps[:, None])
+    top_ps = t.top_ps[:, None] if t.min_ps is None else t.top_ps[:, None] * cumulative[:, -1:]   # of what min-p left
+    drop = (rank >= t.top_ks[:, None]) | ((cumulative - sorted_probs) > top_ps)
     drop[:, 0] = False                              # always keep the most likely token
     sorted_probs = sorted_probs.masked_fill(drop, 0.0)
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
 
 
-def sample(logits: torch.Tensor, t: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids [B] and the logprob of each under the model's (untempered) distribution."""
-    logits = logits.float()
+@dataclass
+class SampleResult:
+    tokens: torch.Tensor                 # [B]
+    logprobs: torch.Tensor               # [B] of each sampled token, raw distribution
+    top_ids: torch.Tensor | None = None  # [B, k] the k likeliest tokens (raw), k = num_top_logprobs
+    top_logprobs: torch.Tensor | None = None
+
+
+def sample(logits: torch.Tensor, t: SamplingTensors, state: SamplerState | None = None) -> SampleResult:
+    """Token ids [B], their logprobs under the model's raw distribution, and the top alternatives."""
+    raw = logits.float()
+    logits = apply_processors(raw, t, state)
     greedy = logits.argmax(dim=-1)
     if t.all_greedy:
         # The noise hash over [B, vocab] int64 (~20 ms a step at batch 32 on CPU, more than the
         # LM head) is ignored by greedy rows; the host flag (from the plan, no sync) skips it,
         # and the chosen token's logprob needs only logsumexp, not a [B, vocab] log_softmax.
-        chosen = logits.gather(-1, greedy[:, None]).squeeze(-1)
-        return greedy, chosen - torch.logsumexp(logits, dim=-1)
-    logprobs = torch.log_softmax(logits, dim=-1)
-    temperature = torch.where(t.temperatures > 0, t.temperatures, torch.ones_like(t.temperatures))
-    probs = torch.softmax(logits / temperature[:, None], dim=-1)
-    if t.needs_sorting:
-        probs = _filter_top_k_top_p(probs, t.top_ks, t.top_ps)
-    # Exponential race: argmax p / E with E ~ Exp(1) draws from p (Gumbel-max in another form).
-    exponential = -torch.log(uniform_noise(t.seeds, t.steps, logits.shape[-1]))
-    sampled = (probs / exponential).argmax(dim=-1)
-    tokens = torch.where(t.temperatures > 0, sampled, greedy)
-    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+        tokens = greedy
+    else:
+        temperature = torch.where(t.temperatures > 0, t.temperatures, torch.ones_like(t.temperatures))
+        probs = _filter(torch.softmax(logits / temperature[:, None], dim=-1), t)
+        # Exponential race: argmax p / E with E ~ Exp(1) draws from p (Gumbel-max in another form).
+        exponential = -torch.log(uniform_noise(t.seeds, t.steps, logits.shape[-1]))
+        tokens = torch.where(t.temperatures > 0, (probs / exponential).argmax(dim=-1), greedy)
+    norm = torch.logsumexp(raw, dim=-1)
+    result = SampleResult(tokens, raw.gather(-1, tokens[:, None]).squeeze(-1) - norm)
+    if t.num_top_logprobs:
+        values, ids = raw.topk(t.num_top_logprobs, dim=-1)
+        result.top_ids, result.top_logprobs = ids, values - norm[:, None]
+    if state is not None and t.slots is not None:   # every step: the counts are a sequence's whole output
+        state.record(t.slots, tokens)
+    return result

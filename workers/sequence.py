@@ -24,7 +24,10 @@ class Sequence:
     status: Status = Status.WAITING
     token_ids: list[int] = field(init=False)   # prompt then outputs, appended in place (no copy per step)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)   # when params.top_logprobs
+    prompt_logprobs: list = field(default_factory=list)  # [i]: (logprob, alternatives) of prompt token i; [0] None
     block_table: list[int] = field(default_factory=list)
+    sampler_slot: int = -1                # its row of the workers' SamplerState while running
     num_computed_tokens: int = 0          # tokens whose KV is in the cache (computed or a prefix-cache hit)
     num_cached_tokens: int = 0            # of the prompt, found in the prefix cache at the last admission
     block_hashes: list[bytes] = field(default_factory=list)   # hash chain of its full blocks (block_pool)
@@ -74,6 +77,8 @@ class TokenDelta:
     finish_reason: str | None
     error: str | None = None
     num_cached_tokens: int = 0
+    new_top_logprobs: list[list[tuple[int, float]]] | None = None   # when the request asked for them
+    prompt_logprobs: list | None = None                              # once, with the first token
 
     @property
     def finished(self) -> bool:
@@ -81,10 +86,13 @@ class TokenDelta:
 
     @classmethod
     def of(cls, seq: Sequence) -> TokenDelta:
-        start = seq.num_prompt_tokens + seq.num_reported
-        seq.num_reported = seq.num_output_tokens
-        return cls(seq.request_id, seq.token_ids[start:], seq.logprobs[start - seq.num_prompt_tokens:],
-                   seq.finish_reason, seq.error, seq.num_cached_tokens)
+        first, done = seq.num_reported, seq.num_output_tokens
+        seq.num_reported = done
+        p = seq.params
+        return cls(seq.request_id, seq.token_ids[seq.num_prompt_tokens + first:], seq.logprobs[first:],
+                   seq.finish_reason, seq.error, seq.num_cached_tokens,
+                   seq.top_logprobs[first:] if p.top_logprobs else None,
+                   seq.prompt_logprobs if first == 0 and p.prompt_logprobs is not None else None)
 
 
 @dataclass
@@ -100,6 +108,8 @@ class RequestOutput:
     adapter: str | None = None
     error: str | None = None
     num_cached_tokens: int = 0            # prompt tokens served from the prefix cache
+    top_logprobs: list[list[tuple[int, float]]] | None = None   # per token: (id, logprob) of the likeliest
+    prompt_logprobs: list | None = None   # per prompt token: (logprob, alternatives); the first is None
 
     @property
     def finished(self) -> bool:
