@@ -18,6 +18,7 @@ from ray import serve
 
 from deployments.adapter_registry import AdapterMirror, get_registry
 from deployments.config import LLMConfig
+from deployments.loopback import bind_replica_grpc_to_node_ip
 from deployments.metrics import ServerMetrics
 from lora.errors import AdapterError, AdapterNotFoundError
 from workers.async_engine import AsyncLLMEngine
@@ -37,6 +38,7 @@ class ServedOutput(RequestOutput):
 
 class LLMServer:
     async def __init__(self, config: LLMConfig):
+        bind_replica_grpc_to_node_ip()   # before Serve starts this replica's gRPC server (after __init__)
         self.config = config
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id

@@ -23,6 +23,7 @@ from deployments import protocol as oai
 from deployments.adapter_registry import get_registry
 from deployments.config import LLMConfig
 from deployments.errors import ModelNotFoundError, error_response, sse_error
+from deployments.loopback import bind_replica_grpc_to_node_ip
 from deployments.metrics import render_prometheus
 from workers.async_engine import EngineDeadError
 
@@ -41,6 +42,7 @@ async def _invalid_body(_request: Request, exc: RequestValidationError) -> JSONR
 @serve.ingress(app)
 class OpenAIIngress:
     def __init__(self, server: DeploymentHandle, config: LLMConfig):
+        bind_replica_grpc_to_node_ip()   # before Serve starts this replica's gRPC server (after __init__)
         self.server = server
         self.base_model = config.base_model_name
         app_name = serve.get_replica_context().app_name
