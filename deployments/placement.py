@@ -81,7 +81,7 @@ def wait_until_running(app_name: str, placement_timeout_s: float | None, stop=No
     pending_since: dict[str, float] = {}
     while stop is None or not stop():
         app = serve.status().applications.get(app_name)
-        status = str(app.status) if app is not None else None
+        status = app.status.value if app is not None else None   # ApplicationStatus: a str Enum
         if status == "RUNNING":
             return
         if status == "DEPLOY_FAILED":

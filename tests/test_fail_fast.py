@@ -58,6 +58,14 @@ def test_check_placement_counts_whole_replicas_per_node(nodes, tp, replicas, fit
     check_placement(config.model_copy(update={"placement_timeout_s": None}), cluster)
 
 
+def test_placement_timeout_flag():
+    from deployments.cli import config_from_args, parse_args
+
+    assert config_from_args(parse_args(["serve", "--demo"])).placement_timeout_s == 30
+    assert config_from_args(parse_args(["serve", "--demo", "--placement-timeout", "5"])).placement_timeout_s == 5
+    assert config_from_args(parse_args(["serve", "--demo", "--placement-timeout", "0"])).placement_timeout_s is None
+
+
 def test_impossible_placement_fails_at_once_with_what_it_asked_and_what_the_cluster_has(tmp_path):
     started = time.monotonic()
     proc = run_cli(tmp_path, "--tp", "2", "--num-cpus", "2")
