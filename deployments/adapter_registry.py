@@ -1,60 +1,107 @@
-"""The cluster-wide adapter registry (a named Ray actor) and each replica's mirror of it.
+"""The adapter registry of one application: a named Ray actor that restarts with its state, and its clients.
 
-The registry maps adapter name -> source for one application; every change
-bumps a version. Each LLMServer replica mirrors it: it polls the version every
-`sync_interval_s` (also reporting its stats), and on a change it unloads
-adapters that were removed and reloads those whose source changed. A replica
-started later by autoscaling reads the same registry, so it serves every
-hot-loaded adapter. A hot-load or unload returns only once every live replica
-has applied it (bounded wait), so "unloaded" means unloaded everywhere.
+The registry maps adapter name -> source; every change bumps a version. Each
+LLMServer replica mirrors it (adapter_mirror.py) and the ingress keeps a copy
+for `/v1/models` and `/metrics` (`RegistryView`), so the registry is never on
+a request's path: while it is down, requests are served from each replica's
+last copy, and only hot-load / unload fail, with a 503
+(`RegistryUnavailableError`).
+
+Why a detached, restartable actor with its state in the GCS internal KV (and
+not a Serve deployment of the app): Ray restarts a crashed actor at once
+(`max_restarts=-1`; no Serve health-check period first) and the new instance
+reads its state back from the KV, where Ray keeps its own metadata (and
+which outlives a GCS restart with GCS fault tolerance). Its calls fail fast
+(`max_task_retries=0`) and every caller bounds them in time, so an outage is
+a clean error, never a hang. A registry killed for good (`ray.kill`) is
+created again by the next caller and recovers the same way.
+
+It belongs to its application: when the app is deleted (`serve.delete`,
+`serve shutdown`) the LLMServer replicas' shutdown hook sees it DELETING and
+drops the registry, state and actor, before the deletion completes, so the
+next deployment of that name starts with only its configured adapters. An
+update of the app (a redeploy) keeps it. As a backstop (replicas killed
+during the deletion), the registry drops itself once Serve no longer knows
+its app.
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 import ray
-
-from lora.errors import AdapterError, AdapterNotFoundError
-from workers.async_engine import AsyncLLMEngine
+from ray.experimental import internal_kv
 
 logger = logging.getLogger("ray.serve")
 NAMESPACE = "loraserve"
 APPLY_TIMEOUT_S = 30.0   # a replica that does not confirm within this is stuck; the caller is told
+CALL_TIMEOUT_S = 5.0     # a registry call that takes longer: the registry is down (it restarts in ~1-5 s)
+VIEW_TIMEOUT_S = 1.0     # the ingress answers from its last copy after this
+APP_CHECK_S = 10.0       # how often a registry checks that its application still exists
+DELETED = (None, "DELETING")   # the application's status once it is being deleted (None: Serve knows it not)
+
+
+class RegistryUnavailableError(RuntimeError):
+    """The registry does not answer (it is restarting after a failure): a 503, the caller may retry."""
+
+    def __init__(self, message: str = "the adapter registry is restarting after a failure; adapters cannot be "
+                                      "loaded or unloaded right now (generation is unaffected); retry in a few "
+                                      "seconds"):
+        super().__init__(message)   # a default, not a fixed text: it is unpickled with its args in the ingress
 
 
 @ray.remote(num_cpus=0)
 class AdapterRegistry:
-    def __init__(self, stale_after_s: float):
+    def __init__(self, app_name: str, key: str, sync_interval_s: float, app_check_s: float = APP_CHECK_S):
+        self._app_name, self._key, self._app_check_s = app_name, key, app_check_s
         self._sources: dict[str, str] = {}
         self._seeded: set[tuple[str, str]] = set()
         self._version = 0
-        self._stale_after_s = stale_after_s
+        self._stale_after_s = max(3.0, 10 * sync_interval_s)
         self._replicas: dict[str, tuple[int, float, dict]] = {}   # id -> (applied version, seen at, stats)
+        saved = internal_kv._internal_kv_get(key, namespace=NAMESPACE)
+        if saved is not None:   # a restart: the state as of the last acknowledged change
+            state = json.loads(saved)
+            self._sources, self._version = state["sources"], state["version"]
+            self._seeded = {tuple(item) for item in state["seeded"]}
+        # after a restart, wait_applied first lets every live replica report once (replicas are not persisted)
+        self._settled_at = time.monotonic() + (3 * sync_interval_s if saved is not None else 0.0)
+        self._app_watch: asyncio.Task | None = None
+
+    def _save(self) -> None:
+        state = {"version": self._version, "sources": self._sources, "seeded": sorted(self._seeded)}
+        internal_kv._internal_kv_put(self._key, json.dumps(state), overwrite=True, namespace=NAMESPACE)
 
     async def seed(self, adapters: dict[str, str]) -> int:
         """The config's adapters. Every replica calls this at start; a (name, source) is applied once, so a
         replica started later does not bring back a configured adapter that was unloaded since."""
+        self._watch_app()
         fresh = {name: src for name, src in adapters.items() if (name, src) not in self._seeded}
-        self._seeded.update(fresh.items())
-        changed = {name: src for name, src in fresh.items() if self._sources.get(name) != src}
-        if changed:
-            self._sources.update(changed)
-            self._version += 1
+        if fresh:
+            self._seeded.update(fresh.items())
+            changed = {name: src for name, src in fresh.items() if self._sources.get(name) != src}
+            if changed:
+                self._sources.update(changed)
+                self._version += 1
+            self._save()
         return self._version
 
     async def register(self, name: str, source: str) -> int:
         if self._sources.get(name) != source:
             self._sources[name] = source
             self._version += 1
+            self._save()
         return self._version
 
-    async def unregister(self, name: str) -> int:
+    async def unregister(self, name: str) -> int | None:
+        """The new version, or None for a name that is not registered."""
         if self._sources.pop(name, None) is None:
-            raise AdapterNotFoundError(f"adapter {name!r} is not loaded (known: {sorted(self._sources)})")
+            return None
         self._version += 1
+        self._save()
         return self._version
 
     async def lookup(self, name: str) -> str | None:
@@ -65,6 +112,7 @@ class AdapterRegistry:
 
     async def report(self, replica_id: str, applied_version: int, stats: dict) -> int:
         """A replica's heartbeat: what it has applied, and its stats; returns the current version."""
+        self._watch_app()
         self._replicas[replica_id] = (applied_version, time.monotonic(), stats)
         return self._version
 
@@ -74,6 +122,8 @@ class AdapterRegistry:
     async def wait_applied(self, version: int, timeout_s: float = APPLY_TIMEOUT_S) -> list[str]:
         """Wait until every live replica has applied `version`; returns the ids that had not (empty: all did)."""
         deadline = time.monotonic() + timeout_s
+        while time.monotonic() < min(self._settled_at, deadline):
+            await asyncio.sleep(0.02)
         while True:
             lagging = [rid for rid, (applied, _, _) in self._live().items() if applied < version]
             if not lagging or time.monotonic() > deadline:
@@ -83,11 +133,44 @@ class AdapterRegistry:
     async def replica_stats(self) -> dict[str, dict]:
         return {rid: stats for rid, (_, _, stats) in self._live().items()}
 
+    async def drop(self) -> None:
+        """Forget everything, persisted state included (the application is deleted); the caller kills us."""
+        internal_kv._internal_kv_del(self._key, namespace=NAMESPACE)
+        self._sources, self._seeded, self._replicas = {}, set(), {}
+
     def _live(self) -> dict[str, tuple[int, float, dict]]:
         now = time.monotonic()
         for rid in [r for r, (_, seen, _) in self._replicas.items() if now - seen > self._stale_after_s]:
             del self._replicas[rid]   # gone (downscaled or dead): it no longer holds anything up
         return self._replicas
+
+    def _watch_app(self) -> None:
+        if self._app_watch is None:   # started on the first call: __init__ has no running event loop
+            self._app_watch = asyncio.get_running_loop().create_task(self._drop_when_app_is_gone())
+
+    async def _drop_when_app_is_gone(self) -> None:
+        while True:
+            await asyncio.sleep(self._app_check_s)
+            try:
+                status = await asyncio.wait_for(asyncio.to_thread(app_status, self._app_name), CALL_TIMEOUT_S)
+            except Exception:  # noqa: BLE001  (the controller is restarting: ask again later)
+                continue
+            if status in DELETED:
+                logger.info("application %r is gone: dropping its adapter registry", self._app_name)
+                await self.drop()
+                ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+
+
+def app_status(app_name: str) -> str | None:
+    """The Serve application's status (RUNNING, DELETING, ...); None when Serve or the app does not exist."""
+    from ray import serve
+    from ray.serve.exceptions import RayServeException
+
+    try:
+        app = serve.status().applications.get(app_name)
+    except RayServeException:   # no Serve instance on this cluster (serve shutdown)
+        return None
+    return None if app is None else app.status.value   # ApplicationStatus: a str Enum
 
 
 def registry_name(app_name: str, base_model: str) -> str:
@@ -95,129 +178,78 @@ def registry_name(app_name: str, base_model: str) -> str:
 
 
 def get_registry(app_name: str, base_model: str, sync_interval_s: float):
-    """The application's registry, created by whichever replica asks first.
+    """The application's registry, created by whichever caller asks first (and again after `ray.kill`).
 
     Detached, so it outlives any one replica (autoscaling may stop the one that
     created it); `scheduling_strategy="DEFAULT"` keeps it out of the caller's
     placement group. Keyed by app and base model: adapters of another base
     model are never offered to this one.
     """
+    name = registry_name(app_name, base_model)
     return AdapterRegistry.options(
-        name=registry_name(app_name, base_model), namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
-        scheduling_strategy="DEFAULT").remote(stale_after_s=max(3.0, 10 * sync_interval_s))
+        name=name, namespace=NAMESPACE, get_if_exists=True, lifetime="detached", max_restarts=-1,
+        max_task_retries=0, scheduling_strategy="DEFAULT").remote(app_name, name, sync_interval_s)
 
 
-class AdapterMirror:
-    """One replica's view of the registry, applied to its engine. Runs on the replica's event loop."""
+class RegistryClient:
+    """Calls to the app's registry, each bounded in time; any failure is a RegistryUnavailableError."""
 
-    def __init__(self, registry, engine: AsyncLLMEngine, replica_id: str, sync_interval_s: float,
-                 stats: Callable[[], Awaitable[dict]], loaded: dict[str, str]):
-        self.registry = registry
-        self.engine = engine
-        self.replica_id = replica_id
-        self.sync_interval_s = sync_interval_s
-        self._stats = stats
-        self.version = -1
-        self.sources: dict[str, str] = {}
-        self.loaded = dict(loaded)          # name -> source, as registered in this replica's engine
-        self._lock = asyncio.Lock()         # one adapter change at a time in this engine
-        self._sync_lock = asyncio.Lock()
+    def __init__(self, app_name: str, base_model: str, sync_interval_s: float):
+        self.app_name, self._base_model, self._sync_interval_s = app_name, base_model, sync_interval_s
+        self.actor = get_registry(app_name, base_model, sync_interval_s)
 
-    async def source_of(self, name: str) -> str:
-        source = self.sources.get(name)
-        if source is None:   # newer than our copy (hot-loaded moments ago), or unknown
-            source = await self.registry.lookup.remote(name)
-        if source is None:
-            raise AdapterNotFoundError(f"adapter {name!r} is not loaded (known: {sorted(self.sources)})")
-        return source
-
-    async def ensure_loaded(self, name: str) -> float | None:
-        """Load `name` into this engine if it is not there with its current source; returns seconds spent."""
-        source = await self.source_of(name)
-        if self.loaded.get(name) == source:
-            return None
-        async with self._lock:
-            if self.loaded.get(name) == source:
-                return None
-            start = time.perf_counter()
-            await self.engine.load_adapter(name, source)
-            self.loaded[name] = source
-            return time.perf_counter() - start
-
-    async def load(self, name: str, source: str) -> float:
-        """Hot-load: validate by loading here, publish, and wait until every replica has applied it."""
-        if not name or ":" in name:
-            raise AdapterError(f"adapter name {name!r} must be non-empty and contain no ':'")
-        async with self._lock:
-            start = time.perf_counter()
-            try:
-                await self.engine.load_adapter(name, source)   # raises with the reason for a bad adapter
-            except AdapterNotFoundError as exc:
-                # here a missing source is a bad request (400), not an unknown model name (404)
-                raise AdapterError(str(exc)) from exc
-            self.loaded[name] = source
-            seconds = time.perf_counter() - start
-        await self._publish(self.registry.register.remote(name, source))
-        return seconds
-
-    async def unload(self, name: str) -> None:
-        await self._publish(self.registry.unregister.remote(name))
-
-    async def _publish(self, change) -> None:
-        version = await change
-        await self.sync()   # this replica first, so the caller's next request here already sees it
-        lagging = await self.registry.wait_applied.remote(version)
-        if lagging:
-            raise TimeoutError(f"replicas {lagging} did not apply adapter registry version {version} "
-                               f"within {APPLY_TIMEOUT_S}s")
-
-    async def sync(self) -> None:
-        """Report to the registry; if it changed, apply the change and report again at once."""
-        async with self._sync_lock:   # two overlapping syncs could apply an older snapshot last
-            current = await self.registry.report.remote(self.replica_id, self.version, await self._safe_stats())
-            if current != self.version:
-                version, sources = await self.registry.snapshot.remote()
-                await self._apply(sources)
-                self.version = version
-                await self.registry.report.remote(self.replica_id, self.version, await self._safe_stats())
-
-    async def _safe_stats(self) -> dict:
+    async def call(self, remote: Callable[[Any], Awaitable], timeout_s: float = CALL_TIMEOUT_S):
+        """`await client.call(lambda registry: registry.snapshot.remote())`."""
         try:
-            return await self._stats()
-        except Exception as exc:  # noqa: BLE001  (a dead engine still reports, as unhealthy)
-            return {"healthy": False, "error": repr(exc)}
+            return await asyncio.wait_for(remote(self.actor), timeout_s)
+        except ray.exceptions.ActorDiedError as exc:   # killed for good (ray.kill)
+            await self._recreate_unless_app_deleted()
+            raise RegistryUnavailableError() from exc
+        except (ray.exceptions.RayActorError, asyncio.TimeoutError) as exc:   # restarting
+            raise RegistryUnavailableError() from exc
 
-    async def _apply(self, sources: dict[str, str]) -> None:
-        async with self._lock:
-            for name, old in list(self.loaded.items()):
-                new = sources.get(name)
-                if new == old:
-                    continue
-                self.loaded.pop(name)
-                try:
-                    if new is None:
-                        await self.engine.unload_adapter(name)   # running requests keep their weights
-                    else:
-                        await self.engine.load_adapter(name, new)
-                        self.loaded[name] = new
-                except AdapterError:
-                    pass     # a bad new source, or old weights still in use: the next request retries
-            self.sources = sources
+    async def _recreate_unless_app_deleted(self) -> None:
+        """The next call finds a new registry, with the persisted state; not while the app is deleted (the
+        registry was dropped with it on purpose)."""
+        try:
+            status = await asyncio.wait_for(asyncio.to_thread(app_status, self.app_name), CALL_TIMEOUT_S)
+        except Exception:  # noqa: BLE001  (Serve's controller restarting: try again on a later call)
+            return
+        if status not in DELETED:
+            self.actor = get_registry(self.app_name, self._base_model, self._sync_interval_s)
 
-    async def run(self) -> None:
-        """The replica's background task: sync forever (errors are retried; the registry may restart)."""
-        failing = False
-        while True:
-            try:
-                await self.sync()
-                failing = False
-            except asyncio.CancelledError:
-                raise
-            except Exception:   # noqa: BLE001  (transient: keep serving with the last copy)
-                if not failing:   # once per outage, not every interval
-                    logger.warning("replica %s: adapter registry sync failed", self.replica_id, exc_info=True)
-                failing = True
-            await asyncio.sleep(self.sync_interval_s)
+    async def release_if_app_deleted(self) -> bool:
+        """Drop the registry (state and actor) if our application is being deleted; True if it was."""
+        try:
+            status = await asyncio.wait_for(asyncio.to_thread(app_status, self.app_name), CALL_TIMEOUT_S)
+            if status not in DELETED:
+                return False
+            await asyncio.wait_for(self.actor.drop.remote(), CALL_TIMEOUT_S)
+            ray.kill(self.actor, no_restart=True)
+        except Exception:  # noqa: BLE001  (another replica dropped it first, or it is down: the backstop acts)
+            logger.debug("adapter registry of %r: not dropped here", self.app_name, exc_info=True)
+            return False
+        return True
 
-    async def close(self) -> None:
-        await self.registry.forget.remote(self.replica_id)
+
+class RegistryView:
+    """The ingress's copy: fresh while the registry answers, the last copy while it restarts."""
+
+    def __init__(self, client: RegistryClient):
+        self.client = client
+        self.sources: dict[str, str] = {}
+        self.stats: dict[str, dict] = {}
+
+    async def adapters(self) -> dict[str, str]:
+        try:
+            _, self.sources = await self.client.call(lambda registry: registry.snapshot.remote(), VIEW_TIMEOUT_S)
+        except RegistryUnavailableError:
+            pass
+        return self.sources
+
+    async def replica_stats(self) -> dict[str, dict]:
+        try:
+            self.stats = await self.client.call(lambda registry: registry.replica_stats.remote(), VIEW_TIMEOUT_S)
+        except RegistryUnavailableError:
+            pass
+        return self.stats

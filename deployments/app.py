@@ -3,7 +3,8 @@
 Used by `serve run serve_config.yaml`, `serve deploy serve_config.yaml` and the
 CLI. The config is resolved here, once: the demo model is generated, local
 paths become absolute (replicas do not share the caller's working directory)
-and `device: auto` becomes the cluster's device.
+and `device: auto` becomes the cluster's device. A replica that no node of the
+cluster can hold fails here (deployments/placement.py).
 """
 from __future__ import annotations
 
@@ -18,18 +19,20 @@ from deployments.config import DEMO_MODEL, LLMConfig
 from deployments.demo_model import ensure_demo
 from deployments.llm_server import LLMServer
 from deployments.openai_api import OpenAIIngress
+from deployments.placement import check_placement
 
 INGRESS_MAX_ONGOING = 1024
 
 
 def build_app(args: dict[str, Any] | LLMConfig | None = None) -> Application:
     config = resolve(args if isinstance(args, LLMConfig) else LLMConfig.model_validate(args or {}))
+    check_placement(config)   # a replica no node can hold fails the deployment now, not never
     server = serve.deployment(LLMServer, name="LLMServer", **config.deployment_options())
     # The ingress only parses JSON and relays: no CPU reservation, and no request limit of its own (the
     # LLMServer's max_ongoing_requests is the back-pressure; requests queued for it drive its autoscaling).
     ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress", num_replicas=1,
                                max_ongoing_requests=INGRESS_MAX_ONGOING, ray_actor_options={"num_cpus": 0},
-                               graceful_shutdown_timeout_s=5)
+                               graceful_shutdown_timeout_s=5, graceful_shutdown_wait_loop_s=0.5)
     return ingress.bind(server.bind(config), config)
 
 

@@ -1,7 +1,10 @@
 """`loraserve serve ...`: start Ray (or join a cluster), deploy the app, serve HTTP until interrupted.
 
 Without --address a private single-node Ray is started on loopback (its own
-temp dir, no dashboard); HTTP binds --host (127.0.0.1 by default).
+temp dir, no dashboard); HTTP binds --host (127.0.0.1 by default). The start
+fails (exit 1) with a message when a replica cannot be placed
+(deployments/placement.py). SIGTERM or SIGINT stops it at any point, also
+while Ray or Serve is starting, within SHUTDOWN_GRACE_S: a clean stop exits 0.
 """
 from __future__ import annotations
 
@@ -12,10 +15,14 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 
 from deployments.config import DEMO_MODEL, LLMConfig
 
 DEFAULT_APP_NAME = "loraserve"
+SHUTDOWN_GRACE_S = 8.0    # after SIGTERM the process is gone within this, whatever hangs (orchestrators wait 10+)
+SERVE_SHUTDOWN_S = 4.0    # of which Serve gets this to drain and stop replicas
+STOPPING = threading.Event()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -44,6 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     run.add_argument("--name", default=DEFAULT_APP_NAME, help="Serve application name")
     run.add_argument("--address", default=None, help="join this Ray cluster instead of starting a local one")
     run.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray (default: all)")
+    run.add_argument("--placement-timeout", type=float, default=30.0, metavar="SECONDS",
+                     help="fail the start when a replica cannot be placed within this (0: wait forever, e.g. "
+                          "for a cluster autoscaler); one that no node could ever hold fails at once")
     args = parser.parse_args(argv)
     if args.demo and args.model:
         parser.error("--demo and --model exclude each other")
@@ -62,45 +72,95 @@ def config_from_args(args: argparse.Namespace) -> LLMConfig:
                      max_loras_per_batch=args.max_loras_per_batch, max_loaded_loras=args.max_loaded_loras,
                      max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
                      enable_chunked_prefill=args.enable_chunked_prefill,
-                     enable_prefix_caching=args.enable_prefix_caching)
+                     enable_prefix_caching=args.enable_prefix_caching,
+                     placement_timeout_s=args.placement_timeout or None)
 
 
-def serve_forever(args: argparse.Namespace) -> None:
+def serve_forever(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM / SIGINT (exit status 0); 1 when the application cannot start."""
     config = config_from_args(args)
     import ray
+    import ray._private.ray_constants as ray_constants
     from ray import serve
 
     from workers.ray_utils import init_local_ray
 
-    temp_dir = None
-    if args.address:
-        ray.init(address=args.address)
-    else:
-        temp_dir = tempfile.mkdtemp(prefix="lsr-", dir="/tmp")   # short: Ray's socket paths have a length limit
-        init_local_ray(temp_dir, num_cpus=args.num_cpus or os.cpu_count() or 2)
-    from deployments.app import build_app
-
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    # Ray's C++ failure-signal handler (stack dump, then abort) would replace ours for SIGTERM in this process;
+    # read when ray.init starts the driver's core worker, so this leaves Ray's own processes as they are.
+    ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
+    temp_dir, serving = None, False
     try:
-        serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(build_app(config), name=args.name, route_prefix="/", blocking=False)
+        if args.address:
+            ray.init(address=args.address)
+        else:
+            temp_dir = tempfile.mkdtemp(prefix="lsr-", dir="/tmp")   # short: Ray's socket paths have a length limit
+            init_local_ray(temp_dir, num_cpus=args.num_cpus or os.cpu_count() or 2)
+        _raise_on_stop_signals()
+        from deployments.app import build_app
+        from deployments.placement import DeployError, PlacementError, wait_until_running
+
+        try:
+            app = build_app(config)   # before Serve starts: a replica no node can hold fails here, at once
+            serve.start(http_options={"host": args.host, "port": args.port})
+            serve.run_many([serve.RunTarget(app, name=args.name, route_prefix="/")],
+                           wait_for_applications_running=False)
+            wait_until_running(args.name, config.placement_timeout_s)
+        except (PlacementError, DeployError) as exc:
+            print(f"loraserve: cannot start: {exc}", file=sys.stderr, flush=True)
+            return 1
         base = f"http://{args.host}:{args.port}"
         print(f"loraserve: serving {config.base_model_name!r} at {base}/v1 (models: {base}/v1/models)", flush=True)
-        stop.wait()
+        serving = True
+        while True:
+            time.sleep(3600)   # until a signal raises KeyboardInterrupt
     except KeyboardInterrupt:
-        pass
+        return 0
     finally:
-        serve.shutdown()
-        ray.shutdown()
-        if temp_dir:
-            shutil.rmtree(temp_dir, ignore_errors=True)
+        _stop(args.name, joined=bool(args.address), drain=serving, temp_dir=temp_dir)
+
+
+def _stop(app_name: str, joined: bool, drain: bool, temp_dir: str | None) -> None:
+    """Stop what we started: on a cluster we joined only our application, else the local Ray, after Serve
+    drained its requests if it was serving (bounded: SERVE_SHUTDOWN_S)."""
+    import ray
+    from ray import serve
+
+    STOPPING.set()
+    deadline = threading.Timer(SHUTDOWN_GRACE_S, os._exit, (1,))   # whatever hangs below, the process ends
+    deadline.daemon = True
+    deadline.start()
+    if ray.is_initialized() and (joined or drain):
+        def stop_serve() -> None:
+            try:
+                serve.delete(app_name) if joined else serve.shutdown()
+            except Exception as exc:  # noqa: BLE001  (nothing deployed yet, or Serve already gone)
+                print(f"loraserve: stopping Serve: {exc}", file=sys.stderr, flush=True)
+
+        stopper = threading.Thread(target=stop_serve, daemon=True)   # bounded: ray.shutdown ends it regardless
+        stopper.start()
+        stopper.join(SERVE_SHUTDOWN_S)
+    ray.shutdown()   # also after an interrupted ray.init: stops the processes it had started
+    if temp_dir:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _raise_on_stop_signals() -> None:
+    """SIGTERM and SIGINT raise KeyboardInterrupt in the main thread wherever it is (in serve.start, a
+    blocking Ray call: Ray checks for signals while it waits), once: not during the clean-up. Installed again
+    after ray.init, whose own SIGTERM handler (sys.exit) interrupts just as well while it runs."""
+    def on_signal(_signum, _frame) -> None:
+        if not STOPPING.is_set():
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
 
 
 def main(argv: list[str] | None = None) -> None:
+    _raise_on_stop_signals()
     args = parse_args(argv)
     if args.command == "serve":
-        serve_forever(args)
+        sys.exit(serve_forever(args))
 
 
 if __name__ == "__main__":

@@ -46,6 +46,10 @@ class LLMConfig(BaseModel):
     max_num_models_per_replica: int | None = None  # adapters kept warm per replica; default max_loaded_loras
     replica_cpus: float = Field(1.0, gt=0)
     registry_sync_interval_s: float = Field(0.25, gt=0)   # how fast replicas see hot-load / unload
+    # A replica that cannot be placed fails the deployment instead of waiting: at once when no node could
+    # ever hold it, after this many seconds when the cluster is busy (the CLI). None: wait, e.g. for a
+    # cluster autoscaler to add a node (see deployments/placement.py).
+    placement_timeout_s: float | None = Field(30.0, gt=0)
     demo_cache_dir: str | None = None              # where "demo" is generated; default .cache/
 
     @field_validator("adapters")
@@ -117,10 +121,13 @@ class LLMConfig(BaseModel):
         return options
 
     def deployment_options(self) -> dict[str, Any]:
+        # Serve replaces a replica after 3 failed health checks in a row (a dead engine: ~3 periods) and
+        # waits graceful_shutdown_wait_loop_s (default 2 s) before it even looks at a stopping replica's
+        # requests: both shortened so a failed replica is back, and a stop done, in seconds.
         options: dict[str, Any] = dict(
             max_ongoing_requests=self.max_ongoing_requests, ray_actor_options=self.ray_actor_options(),
             placement_group_bundles=self.placement_group_bundles(), placement_group_strategy="STRICT_PACK",
-            health_check_period_s=5, graceful_shutdown_timeout_s=5)
+            health_check_period_s=2, graceful_shutdown_timeout_s=5, graceful_shutdown_wait_loop_s=0.5)
         if self.autoscaling_config is not None:
             options["autoscaling_config"] = self.autoscaling_config
         else:

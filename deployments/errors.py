@@ -13,6 +13,7 @@ from ray.exceptions import RayTaskError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 from starlette.responses import JSONResponse
 
+from deployments.adapter_registry import RegistryUnavailableError
 from lora.errors import AdapterNotFoundError
 from workers.async_engine import EngineDeadError, RequestError
 
@@ -37,7 +38,8 @@ def classify(exc: BaseException) -> tuple[int, str, str]:
         return (400, "BadRequestError", "invalid_json") if malformed else (422, "BadRequestError", "invalid_request")
     if isinstance(exc, (ValueError, TypeError)):   # bad parameters, AdapterError (rank, path, format)
         return 400, "BadRequestError", "invalid_request"
-    if isinstance(exc, (EngineDeadError, BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError)):
+    if isinstance(exc, (EngineDeadError, BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError,
+                        RegistryUnavailableError)):
         return 503, "ServiceUnavailableError", "service_unavailable"
     if isinstance(exc, RequestError):
         return 500, "InternalServerError", "request_failed"

@@ -16,8 +16,10 @@ from typing import Any, AsyncIterator
 
 from ray import serve
 
-from deployments.adapter_registry import AdapterMirror, get_registry
+from deployments.adapter_mirror import AdapterMirror
+from deployments.adapter_registry import RegistryClient
 from deployments.config import LLMConfig
+from deployments.loopback import bind_replica_grpc_to_node_ip
 from deployments.metrics import ServerMetrics
 from lora.errors import AdapterError, AdapterNotFoundError
 from workers.async_engine import AsyncLLMEngine
@@ -26,6 +28,7 @@ from workers.engine import LLMEngine
 from workers.sequence import RequestOutput
 
 Prompt = str | list[int]
+REGISTRY_START_TIMEOUT_S = 60.0   # a registry restarting while this replica starts: wait for it, then fail
 
 
 @dataclasses.dataclass
@@ -37,13 +40,14 @@ class ServedOutput(RequestOutput):
 
 class LLMServer:
     async def __init__(self, config: LLMConfig):
+        bind_replica_grpc_to_node_ip()   # before Serve starts this replica's gRPC server (after __init__)
         self.config = config
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
         self.engine = AsyncLLMEngine(await asyncio.to_thread(_build_engine, config))   # minutes for a big model
         self.metrics = ServerMetrics()
-        registry = get_registry(context.app_name, config.base_model_name, config.registry_sync_interval_s)
-        await registry.seed.remote(config.adapters)
+        registry = RegistryClient(context.app_name, config.base_model_name, config.registry_sync_interval_s)
+        await registry.call(lambda actor: actor.seed.remote(config.adapters), REGISTRY_START_TIMEOUT_S)
         self.adapters = AdapterMirror(registry, self.engine, self.replica_id, config.registry_sync_interval_s,
                                       self.stats, loaded=config.adapters)
         await self.adapters.sync()
@@ -173,8 +177,8 @@ class LLMServer:
         return {"lora_name": name}
 
     async def list_adapters(self) -> dict[str, str]:
-        _, sources = await self.adapters.registry.snapshot.remote()
-        return sources
+        """Name -> source of every adapter of the app (this replica's last copy while the registry restarts)."""
+        return await self.adapters.snapshot()
 
     # ---- health and stats ---------------------------------------------------------------------------
     async def stats(self) -> dict[str, Any]:
@@ -193,13 +197,17 @@ class LLMServer:
                                f"({self.engine.error or 'a worker does not answer'})")
 
     async def __del__(self):
-        """Serve's shutdown hook (also after a failed __init__: only what was built is torn down)."""
+        """Serve's shutdown hook (also after a failed __init__: only what was built is torn down).
+
+        When the whole application is being deleted, its adapter registry goes with it.
+        """
         if hasattr(self, "_sync_task"):
             self._sync_task.cancel()
-            try:
-                await asyncio.wait_for(self.adapters.close(), 5)
-            except Exception:  # noqa: BLE001  (the registry may already be gone at shutdown)
-                pass
+            if not await self.adapters.registry.release_if_app_deleted():
+                try:
+                    await self.adapters.close()
+                except Exception:  # noqa: BLE001  (the registry may be down: it forgets us when we go stale)
+                    pass
         if hasattr(self, "engine"):
             await asyncio.to_thread(self.engine.close)
 

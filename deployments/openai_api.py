@@ -20,9 +20,10 @@ from ray.serve.handle import DeploymentHandle
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from deployments import protocol as oai
-from deployments.adapter_registry import get_registry
+from deployments.adapter_registry import RegistryClient, RegistryView
 from deployments.config import LLMConfig
 from deployments.errors import ModelNotFoundError, error_response, sse_error
+from deployments.loopback import bind_replica_grpc_to_node_ip
 from deployments.metrics import render_prometheus
 from workers.async_engine import EngineDeadError
 
@@ -41,10 +42,12 @@ async def _invalid_body(_request: Request, exc: RequestValidationError) -> JSONR
 @serve.ingress(app)
 class OpenAIIngress:
     def __init__(self, server: DeploymentHandle, config: LLMConfig):
+        bind_replica_grpc_to_node_ip()   # before Serve starts this replica's gRPC server (after __init__)
         self.server = server
         self.base_model = config.base_model_name
         app_name = serve.get_replica_context().app_name
-        self.registry = get_registry(app_name, self.base_model, config.registry_sync_interval_s)
+        # /v1/models and /metrics answer from the registry, or from its last copy while it restarts
+        self.registry = RegistryView(RegistryClient(app_name, self.base_model, config.registry_sync_interval_s))
 
     def _adapter_of(self, model: str) -> str | None:
         """`<base>` -> None; `<base>:<adapter>` or `<adapter>` -> the adapter (the server checks it exists)."""
@@ -140,7 +143,7 @@ class OpenAIIngress:
     # ---- models and adapters ------------------------------------------------------------------------
     @app.get("/v1/models")
     async def models(self) -> JSONResponse:
-        _, sources = await self.registry.snapshot.remote()
+        sources = await self.registry.adapters()
         data = [{"id": self.base_model, "object": "model", "owned_by": "loraserve", "parent": None}]
         data += [{"id": name, "object": "model", "owned_by": "loraserve", "parent": self.base_model,
                   "root": source} for name, source in sorted(sources.items())]
@@ -176,6 +179,6 @@ class OpenAIIngress:
 
     @app.get("/metrics")
     async def metrics(self) -> PlainTextResponse:
-        per_replica: dict[str, Any] = await self.registry.replica_stats.remote()
+        per_replica: dict[str, Any] = await self.registry.replica_stats()
         return PlainTextResponse(render_prometheus(per_replica, self.base_model),
                                  media_type="text/plain; version=0.0.4")

@@ -78,6 +78,14 @@ def free_port(host: str = LOOPBACK) -> int:
         return s.getsockname()[1]
 
 
+def listen_on_loopback(backlog: int = 128) -> socket.socket:
+    """A TCP socket bound to a free port of 127.0.0.1 and listening (for a server that takes a ready fd)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((LOOPBACK, 0))
+    sock.listen(backlog)
+    return sock
+
+
 def init_local_ray(temp_dir: str, num_cpus: int = 2, resources: dict[str, float] | None = None):
     """Start a private single-node Ray on loopback (tests, benchmarks, local runs); returns ray.init's context.
 

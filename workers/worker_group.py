@@ -21,8 +21,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from workers.config import EngineConfig
 from workers.device import Platform
 from workers.plan import StepPlan
-from workers.ray_utils import (LOOPBACK, actor_resources, free_port, local_device_index, worker_bundle_indices,
-                               worker_bundles)
+from workers.ray_utils import (LOOPBACK, actor_resources, listen_on_loopback, local_device_index,
+                               worker_bundle_indices, worker_bundles)
 from workers.runner import RuntimeInfo
 
 PLACEMENT_TIMEOUT_S = 60.0   # our own group on a cluster that lacks the devices: fail, don't wait forever
@@ -48,6 +48,7 @@ class RayWorker:
         self.config, self.runtime, self.platform = config, runtime, platform
         self.rank, self.world_size = rank, world_size
         self.worker = None
+        self._store_listener = None
 
     def placement(self) -> dict:
         """What Ray gave this rank: accelerator ids, the visible-devices variable, the logical device index."""
@@ -57,8 +58,15 @@ class RayWorker:
         return {"rank": self.rank, "accelerator_ids": ids, "visible_devices": visible,
                 "device_index": local_device_index(ids, visible), "node_id": ray.get_runtime_context().get_node_id()}
 
-    def free_port(self) -> int:
-        return free_port()
+    def open_store_port(self) -> int:
+        """Rank 0: a socket listening on loopback for the torch.distributed store; returns its port.
+
+        A TCPStore that binds its own port listens on every interface; handed this
+        socket (`master_listen_fd`, torch's documented option) it serves on 127.0.0.1
+        only, and no other process can take the port between now and `start`.
+        """
+        self._store_listener = listen_on_loopback()
+        return self._store_listener.getsockname()[1]
 
     def start(self, port: int) -> None:
         import torch.distributed as dist
@@ -74,11 +82,22 @@ class RayWorker:
         if self.world_size > 1:
             if platform.dist_backend == "gloo":       # ranks share one node (STRICT_PACK): stay on loopback
                 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-            dist.init_process_group(platform.dist_backend, init_method=f"tcp://{LOOPBACK}:{port}", rank=self.rank,
+            dist.init_process_group(platform.dist_backend, store=self._store(port), rank=self.rank,
                                     world_size=self.world_size, timeout=timedelta(seconds=DIST_TIMEOUT_S))
             tp = TPGroup(self.rank, self.world_size, dist.group.WORLD)
         self.worker = Worker(self.config, self.runtime, platform,
                              adapter_loader(self.config, self.runtime.hf_config), tp, device_index)
+
+    def _store(self, port: int):
+        """The rendezvous store: rank 0 serves it on the loopback socket of `open_store_port`, the others dial it."""
+        import torch.distributed as dist
+
+        timeout = timedelta(seconds=DIST_TIMEOUT_S)
+        if self.rank == 0:   # the store now owns the socket's fd; the Python object must not close it
+            fd = self._store_listener.detach()
+            return dist.TCPStore(LOOPBACK, port, self.world_size, True, timeout, wait_for_workers=False,
+                                 master_listen_fd=fd)
+        return dist.TCPStore(LOOPBACK, port, self.world_size, False, timeout)
 
     def execute(self, plan: StepPlan) -> tuple[list[int], list[float]] | None:
         out = self.worker.execute(plan)
@@ -135,7 +154,7 @@ class WorkerGroup:
         self.error: str | None = None
         self.workers, self.placement_group, self.owns_placement_group = spawn_workers(config, runtime, platform)
         try:
-            [port] = self._gather([self.workers[0].free_port.remote()], START_TIMEOUT_S, "start")
+            [port] = self._gather([self.workers[0].open_store_port.remote()], START_TIMEOUT_S, "start")
             self._gather([w.start.remote(port) for w in self.workers], START_TIMEOUT_S, "start")
         except BaseException:
             self.close()

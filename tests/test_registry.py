@@ -1,0 +1,171 @@
+"""The adapter registry survives and belongs to its application (local Ray on loopback, two replicas).
+
+While the registry hangs or is dead, generation, `/v1/models` and `/metrics` answer from the last copies and
+hot-load / unload are a clean 503; killed, it restarts with every adapter it knew; an update of the app keeps
+its adapters; deleting the app deletes the registry and its persisted state, so the next deployment starts
+with only its configured adapters; a registry whose app is gone drops itself.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import requests
+
+from factories import make_adapter
+from serve_fixtures import local_serve, wait_until
+
+APP, BASE = "reg", "tiny"
+
+
+@pytest.fixture(scope="module")
+def files(model_dir, tmp_path_factory):
+    model = model_dir("qwen3")
+    root = tmp_path_factory.mktemp("registry_adapters")
+    return {"model": model, "a": make_adapter(model, root / "a", r=8, seed=1),
+            "hot": make_adapter(model, root / "hot", r=4, seed=2),
+            "new": make_adapter(model, root / "new", r=4, seed=3)}
+
+
+def app_args(files, **overrides) -> dict:
+    return dict(model=str(files["model"]), served_model_name=BASE, adapters={"a": str(files["a"])}, device="cpu",
+                max_model_len=256, max_lora_rank=8, num_replicas=2, registry_sync_interval_s=0.1, **overrides)
+
+
+@pytest.fixture(scope="module")
+def url(files):
+    from ray import serve
+
+    from deployments.app import build_app
+
+    with local_serve(num_cpus=4) as base_url:
+        serve.run(build_app(app_args(files)), name=APP, route_prefix="/")
+        yield base_url
+
+
+def server():
+    from ray import serve
+    return serve.get_deployment_handle("LLMServer", app_name=APP)
+
+
+def registry_pid() -> int:
+    from ray._private.state import actors
+
+    from deployments.adapter_registry import registry_name
+    alive = [a for a in actors(actor_state_name="ALIVE").values()
+             if a["ActorClassName"] == "AdapterRegistry" and a["Name"] == registry_name(APP, BASE)]
+    assert len(alive) == 1, alive
+    return alive[0]["Pid"]
+
+
+def models(url: str) -> list[str]:
+    response = requests.get(f"{url}/v1/models", timeout=30)
+    assert response.status_code == 200, response.text
+    return [m["id"] for m in response.json()["data"]]
+
+
+def complete(url: str, model: str) -> requests.Response:
+    body = {"model": model, "prompt": "Hello", "max_tokens": 4, "temperature": 0.0}
+    return requests.post(f"{url}/v1/completions", json=body, timeout=60)
+
+
+def assert_clean_503(exc: BaseException) -> None:
+    from deployments.errors import error_body
+    status, body = error_body(exc)
+    message = body["error"]["message"]
+    assert status == 503 and body["error"]["code"] == "service_unavailable", body
+    assert "registry" in message and not any(word in message.lower() for word in ("actor", "pid", "0x", "ray::"))
+
+
+def test_a_hung_then_killed_registry_fails_no_request_and_comes_back_with_every_adapter(url, files):
+    server().load_adapter.remote("hot", str(files["hot"])).result(timeout_s=120)
+    assert models(url) == [BASE, "a", "hot"]
+    assert requests.get(f"{url}/metrics", timeout=30).status_code == 200   # a scrape, as Prometheus would
+    pid = registry_pid()
+    os.kill(pid, signal.SIGSTOP)   # hung: every call to it times out
+    try:
+        assert models(url) == [BASE, "a", "hot"]          # the ingress's last copies
+        metrics = requests.get(f"{url}/metrics", timeout=30)
+        assert metrics.status_code == 200 and f'model="{BASE}",replica=' in metrics.text
+        for model in (BASE, f"{BASE}:a", f"{BASE}:hot"):    # each replica's last copy
+            assert complete(url, model).status_code == 200
+        for call in (lambda: server().load_adapter.remote("new", str(files["new"])),
+                     lambda: server().unload_adapter.remote("hot")):
+            with pytest.raises(Exception) as caught:
+                call().result(timeout_s=60)
+            assert_clean_503(caught.value)
+    finally:
+        os.kill(pid, signal.SIGKILL)   # Ray restarts it; the state comes back from the GCS KV
+    killed_at = time.monotonic()
+
+    def hot_loads() -> bool:
+        try:
+            server().load_adapter.remote("new", str(files["new"])).result(timeout_s=30)
+            return True
+        except Exception as exc:  # noqa: BLE001
+            assert_clean_503(exc)
+            return False
+
+    wait_until(hot_loads, 10, "hot-load to work again after the registry was killed", interval=0.2)
+    print(f"hot-load works again {time.monotonic() - killed_at:.1f}s after the kill")
+    assert registry_pid() != pid
+    assert models(url) == [BASE, "a", "hot", "new"]
+    for model in (f"{BASE}:hot", f"{BASE}:new"):
+        assert complete(url, model).status_code == 200
+
+
+def test_an_update_of_the_app_keeps_its_hot_loaded_adapters(url, files):
+    from ray import serve
+
+    from deployments.app import build_app
+
+    server().load_adapter.remote("hot", str(files["hot"])).result(timeout_s=120)
+    serve.run(build_app(app_args(files, max_ongoing_requests=8)), name=APP, route_prefix="/")   # new replicas
+    assert "hot" in models(url)
+    assert complete(url, f"{BASE}:hot").status_code == 200
+
+
+def test_deleting_the_app_deletes_its_registry_so_a_new_one_starts_with_its_configured_adapters(url, files):
+    import ray
+    from ray import serve
+    from ray.experimental import internal_kv
+
+    from deployments.adapter_registry import NAMESPACE, registry_name
+    from deployments.app import build_app
+
+    server().load_adapter.remote("hot", str(files["hot"])).result(timeout_s=120)
+    name = registry_name(APP, BASE)
+    assert internal_kv._internal_kv_get(name, namespace=NAMESPACE) is not None
+    serve.delete(APP)
+    with pytest.raises(ValueError):   # dropped before the deletion returned
+        ray.get_actor(name, namespace=NAMESPACE)
+    assert internal_kv._internal_kv_get(name, namespace=NAMESPACE) is None
+
+    serve.run(build_app(app_args(files)), name=APP, route_prefix="/")
+    assert models(url) == [BASE, "a"]
+    assert complete(url, f"{BASE}:hot").status_code == 404
+
+
+def test_a_registry_whose_app_is_gone_drops_itself(url):
+    import ray
+    from ray.experimental import internal_kv
+
+    from deployments.adapter_registry import NAMESPACE, AdapterRegistry
+
+    key = "adapters:ghost:tiny"
+    ghost = AdapterRegistry.options(name=key, namespace=NAMESPACE, lifetime="detached").remote(
+        "ghost", key, 0.1, app_check_s=0.5)
+    ray.get(ghost.seed.remote({"x": "/nowhere"}))   # its first call starts the watch
+    assert internal_kv._internal_kv_get(key, namespace=NAMESPACE) is not None
+
+    def dropped() -> bool:
+        try:
+            ray.get_actor(key, namespace=NAMESPACE)
+            return False
+        except ValueError:
+            return True
+
+    wait_until(dropped, 30, "the registry of an app Serve does not know to drop itself")
+    assert internal_kv._internal_kv_get(key, namespace=NAMESPACE) is None
