@@ -97,15 +97,29 @@ def model_name(base_model: str, adapter: int | None) -> str:
     return base_model if adapter is None else f"{base_model}:lora-{adapter:04d}"
 
 
-async def drive(url: str, base_model: str, requests: list[dict]) -> tuple[list[dict], float]:
+async def drive(url: str, requests: list[dict], naming) -> tuple[list[dict], float]:
+    """Send every request at its arrival time; `naming(adapter index or None)` is the request's `model`."""
     import aiohttp
 
     timeout = aiohttp.ClientTimeout(total=None, sock_read=300)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         start = time.perf_counter()
-        tasks = [one_request(session, url, model_name(base_model, r["adapter"]), r, start) for r in requests]
+        tasks = [one_request(session, url, naming(r["adapter"]), r, start) for r in requests]
         results = await asyncio.gather(*tasks)
         return results, time.perf_counter() - start
+
+
+def summarize(results: list[dict], wall: float) -> dict:
+    ok = [r for r in results if r["ok"]]
+    ttft = [r["ttft_s"] * 1e3 for r in ok]
+    tpot = [r["tpot_s"] * 1e3 for r in ok if r["tpot_s"] is not None]
+    tokens = sum(r["tokens"] for r in ok)
+
+    def p50_p99(values):
+        return {"p50": percentile(values, 50), "p99": percentile(values, 99)} if values else {"p50": None, "p99": None}
+
+    return {"ttft_ms": p50_p99(ttft), "tpot_ms": p50_p99(tpot), "output_tok_s": tokens / wall, "wall_s": wall,
+            "failed": len(results) - len(ok), "errors": sorted({r["error"] for r in results if r["error"]})[:5]}
 
 
 def run(sizes: Sizes = FULL, load: ServingLoad = ServingLoad(), dtype: str = "bfloat16", log=print) -> dict:
@@ -139,24 +153,16 @@ def run(sizes: Sizes = FULL, load: ServingLoad = ServingLoad(), dtype: str = "bf
             f"{load.rate}/s")
         requests = make_requests(load, sizes.shape.vocab_size)
         warm = [replace_arrival(r, 0.0) for r in requests[:2]]
-        asyncio.run(drive(url, "bench", warm))                   # first-call costs stay out of the timings
-        results, wall = asyncio.run(drive(url, "bench", requests))
+        naming = lambda adapter: model_name("bench", adapter)  # noqa: E731
+        asyncio.run(drive(url, warm, naming))                    # first-call costs stay out of the timings
+        results, wall = asyncio.run(drive(url, requests, naming))
     finally:
         try:
             serve.shutdown()
         finally:
             ray.shutdown()
             shutil.rmtree(temp_dir, ignore_errors=True)
-    ok = [r for r in results if r["ok"]]
-    ttft = [r["ttft_s"] * 1e3 for r in ok]
-    tpot = [r["tpot_s"] * 1e3 for r in ok if r["tpot_s"] is not None]
-    tokens = sum(r["tokens"] for r in ok)
-    def p50_p99(values):
-        return {"p50": percentile(values, 50), "p99": percentile(values, 99)} if values else {"p50": None, "p99": None}
-
-    summary = {"ttft_ms": p50_p99(ttft), "tpot_ms": p50_p99(tpot),
-               "output_tok_s": tokens / wall, "wall_s": wall, "failed": len(results) - len(ok),
-               "errors": sorted({r["error"] for r in results if r["error"]})[:5]}
+    summary = summarize(results, wall)
     log(f"[serving] TTFT p50 {summary['ttft_ms']['p50']} ms, TPOT p50 {summary['tpot_ms']['p50']} ms, "
         f"{summary['output_tok_s']:.1f} tok/s, {summary['failed']} failed")
     return {"benchmark": "serving", "dtype": dtype, "sizes": sizes_dict(sizes), "machine": machine_info(),

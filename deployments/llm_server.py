@@ -66,13 +66,16 @@ class LLMServer:
                        *, messages: list[dict] | None = None, request_id: str | None = None) -> ServedOutput:
         """The finished output (cumulative). The adapter is the call's `multiplexed_model_id`."""
         adapter, prompt, params = await self._start(prompt, sampling_params, messages)
-        token_ids, logprobs, text, last = [], [], [], None
+        token_ids, logprobs, text, top, prompt_logprobs, last = [], [], [], [], None, None
         async with aclosing(self._outputs(adapter, prompt, params, request_id)) as outputs:
             async for last in outputs:
                 token_ids += last.token_ids
                 logprobs += last.logprobs
                 text.append(last.text)
-        return self._served(last, prompt, token_ids, "".join(text), logprobs)
+                top += last.top_logprobs or []
+                prompt_logprobs = last.prompt_logprobs if last.prompt_logprobs is not None else prompt_logprobs
+        return self._served(last, prompt, token_ids, "".join(text), logprobs,
+                            top if params.top_logprobs else None, prompt_logprobs)
 
     async def generate_stream(self, prompt: Prompt | None = None,
                               sampling_params: SamplingParams | dict | None = None, *,
@@ -89,7 +92,7 @@ class LLMServer:
             async for out in outputs:
                 if out.token_ids or out.text or out.finished:
                     yield self._served(out, prompt if first else [], out.token_ids, out.text, out.logprobs,
-                                       num_prompt_tokens=len(prompt))
+                                       out.top_logprobs, out.prompt_logprobs, num_prompt_tokens=len(prompt))
                     first = False
 
     async def _start(self, prompt, sampling_params, messages) -> tuple[str | None, list[int], SamplingParams]:
@@ -133,12 +136,13 @@ class LLMServer:
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
         return prompt, SamplingParams(**kwargs)
 
-    def _served(self, out: RequestOutput, prompt_token_ids, token_ids, text, logprobs,
-                num_prompt_tokens: int | None = None) -> ServedOutput:
+    def _served(self, out: RequestOutput, prompt_token_ids, token_ids, text, logprobs, top_logprobs=None,
+                prompt_logprobs=None, num_prompt_tokens: int | None = None) -> ServedOutput:
         num_prompt = len(prompt_token_ids) if num_prompt_tokens is None else num_prompt_tokens
         return ServedOutput(out.request_id, list(prompt_token_ids), list(token_ids), text, list(logprobs),
-                            out.finish_reason, out.adapter, out.error, out.num_cached_tokens, num_prompt,
-                            self.replica_id)
+                            out.finish_reason, out.adapter, out.error, num_cached_tokens=out.num_cached_tokens,
+                            top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
+                            num_prompt_tokens=num_prompt, replica_id=self.replica_id)
 
     # ---- adapters -----------------------------------------------------------------------------------
     async def _adapter_for_request(self) -> str | None:

