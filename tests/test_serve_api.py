@@ -39,7 +39,7 @@ def url(files):
         # max_ongoing_requests=2: a burst overflows the replica holding an adapter, so both replicas serve
         serve.run(build_app(dict(model=str(files["model"]), served_model_name=BASE, adapters={"a": str(files["a"])},
                                  device="cpu", max_model_len=MAX_MODEL_LEN, max_lora_rank=MAX_RANK, num_replicas=2,
-                                 max_ongoing_requests=2, registry_sync_interval_s=0.1)),
+                                 max_ongoing_requests=2, registry_sync_interval_s=0.1, enable_hotload=True)),
                   name=APP, route_prefix="/")
         yield base_url
 
@@ -155,7 +155,7 @@ BAD_REQUESTS = [  # (what, path, json body or raw text, status, a word of the me
      404, "gpt-4"),
     ("malformed JSON", "/v1/completions", '{"model": "tiny", "prompt": ', 400, "JSON"),
     ("missing field", "/v1/completions", {"model": BASE}, 422, "prompt"),
-    ("unsupported n", "/v1/completions", {"model": BASE, "prompt": "Hi", "n": 2}, 422, "n=2"),
+    ("unsupported n", "/v1/completions", {"model": BASE, "prompt": "Hi", "n": 2}, 400, "n=2"),
     ("max_tokens beyond context", "/v1/completions", {"model": BASE, "prompt": "Hi", "max_tokens": 4096}, 400,
      "max_model_len"),
     ("streamed, beyond context", "/v1/completions",
