@@ -257,3 +257,15 @@ def test_tensor_parallel_replica_runs_its_ranks_in_its_placement_group(url, file
         assert error["code"] == "service_unavailable"
     finally:
         serve.delete("tp")
+
+
+def test_hotload_without_adapter_roots_warns_at_start(url):
+    """This app enables hot-load with no adapter_roots: its ingress says so in its log when it starts."""
+    from pathlib import Path
+
+    import ray
+
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
+    ingress_logs = [p.read_text() for p in logs.glob(f"replica_{APP}_OpenAIIngress_*.log")]
+    assert ingress_logs and all("WARNING" in text and "hot-load is enabled without adapter_roots" in text
+                                for text in ingress_logs)
