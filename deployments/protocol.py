@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
@@ -63,15 +63,41 @@ def _shown(value: Any) -> str:
 
 
 class StrictModel(BaseModel):
+    """extra="forbid" + strict types; `harmless` fields are dropped, `unsupported` ones pass only when "off"."""
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)   # JSON NaN is no sampling value
+    harmless: ClassVar[frozenset[str]] = frozenset()
+    unsupported: ClassVar[dict[str, tuple]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _only_what_is_served(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        kept = {}
+        for field, value in data.items():
+            if field in cls.harmless:
+                continue
+            if field in cls.unsupported and field not in cls.model_fields:
+                offs = cls.unsupported[field]
+                if not _is_off(value, offs):
+                    raise PydanticCustomError("unsupported_parameter",
+                                              "{field}={value} is not supported by this server (only {offs})",
+                                              {"field": field, "value": _shown(value),
+                                               "offs": " or ".join(_shown(o) for o in offs if o is not None)
+                                               or "null"})
+                continue
+            kept[field] = value
+        return kept
 
 
 class StreamOptions(StrictModel):
+    unsupported = {"continuous_usage_stats": (None, False)}   # vLLM extension
     include_usage: bool = False
-    continuous_usage_stats: Literal[False] = False    # vLLM extension, not implemented
 
 
 class OpenAIRequest(StrictModel):
+    harmless = HARMLESS
+    unsupported = UNSUPPORTED_UNLESS
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = 1.0
@@ -83,27 +109,6 @@ class OpenAIRequest(StrictModel):
     ignore_eos: bool = False             # vLLM extension
     stream: bool = False
     stream_options: StreamOptions | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _only_what_is_served(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        kept = {}
-        for field, value in data.items():
-            if field in HARMLESS:
-                continue
-            if field in UNSUPPORTED_UNLESS and field not in cls.model_fields:
-                offs = UNSUPPORTED_UNLESS[field]
-                if not _is_off(value, offs):
-                    raise PydanticCustomError("unsupported_parameter",
-                                              "{field}={value} is not supported by this server (only {offs})",
-                                              {"field": field, "value": _shown(value),
-                                               "offs": " or ".join(_shown(o) for o in offs if o is not None)
-                                               or "null"})
-                continue
-            kept[field] = value
-        return kept
 
     def sampling_params(self, default_max_tokens: int | None) -> dict[str, Any]:
         """Keyword arguments of workers.SamplingParams; max_tokens None = the rest of the context."""
