@@ -23,14 +23,13 @@ HARMLESS = frozenset({"user", "metadata", "safety_identifier", "prompt_cache_key
                       "parallel_tool_calls"})
 # field -> the values that mean "off" (anything else asks for something this server does not do)
 UNSUPPORTED_UNLESS = {
-    "n": (1,), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""), "logit_bias": (None, {}),
-    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "tools": (None, []),
+    "n": (1,), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""), "tools": (None, []),
     "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
     "response_format": (None, {"type": "text"}), "top_logprobs": (None, 0), "store": (None, False),
     "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,), "reasoning_effort": (None,),
     "verbosity": (None,), "web_search_options": (None,),
     # vLLM extensions
-    "repetition_penalty": (None, 1), "min_p": (None, 0), "min_tokens": (None, 0), "length_penalty": (None, 1),
+    "length_penalty": (None, 1),
     "use_beam_search": (None, False), "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,),
     "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
     "include_stop_str_in_output": (None, False), "return_tokens_as_token_ids": (None, True),
@@ -109,12 +108,30 @@ class OpenAIRequest(StrictModel):
     ignore_eos: bool = False             # vLLM extension
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # logits processors (ranges checked by workers.SamplingParams: a ValueError, so a 400)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0      # vLLM extension
+    min_p: float = 0.0                   # vLLM extension
+    min_tokens: int = 0                  # vLLM extension
+    logit_bias: dict[str, float] | None = None   # OpenAI's: token id (as a JSON key) -> bias
 
     def sampling_params(self, default_max_tokens: int | None) -> dict[str, Any]:
         """Keyword arguments of workers.SamplingParams; max_tokens None = the rest of the context."""
         return dict(max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
                     temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
-                    stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos)
+                    stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+                    presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                    repetition_penalty=self.repetition_penalty, min_p=self.min_p, min_tokens=self.min_tokens,
+                    logit_bias=self._token_bias())
+
+    def _token_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        bad = next((key for key in self.logit_bias if not key.isdigit()), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias keys must be token ids (digits), got {_shown(bad)}")
+        return {int(key): value for key, value in self.logit_bias.items()}
 
     @property
     def include_usage(self) -> bool:

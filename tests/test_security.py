@@ -235,6 +235,16 @@ def test_every_error_is_an_openai_body_with_a_request_id(url, what, method, path
     assert echoed.headers["x-request-id"] == "client-chosen-id"
 
 
+def test_logits_processors_reach_the_engine(url):
+    body = {"model": BASE, "prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True, "logprobs": 0,
+            "logit_bias": {"7": 100}}
+    response = call(url, "POST", "/v1/completions", body, AUTH)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["logprobs"]["tokens"] == ["token_id:7"] * 4
+    assert "logit_bias" in openai_error(call(url, "POST", "/v1/completions", {**body, "logit_bias": {"7": 101}},
+                                             AUTH), 400)
+
+
 def test_models_show_no_server_paths(url, files):
     text = call(url, "GET", "/v1/models", headers=AUTH).text
     assert '"fixed"' in text and "root" not in text and str(files["root"]) not in text

@@ -159,9 +159,11 @@ COMPLETION = {"model": "m", "prompt": "x"}
 SCHEMA_CASES = [  # (extra fields, HTTP status, code, words the message must hold)
     ({"foo": 1}, 400, "unknown_parameter", ["foo", "unknown field"]),
     ({"top_logprobs": 2}, 400, "unsupported_parameter", ["top_logprobs=2", "not supported"]),
-    ({"repetition_penalty": 1.2}, 400, "unsupported_parameter", ["repetition_penalty"]),
-    ({"min_p": 0.1}, 400, "unsupported_parameter", ["min_p"]),
-    ({"min_tokens": 3}, 400, "unsupported_parameter", ["min_tokens"]),
+    ({"use_beam_search": True}, 400, "unsupported_parameter", ["use_beam_search"]),
+    ({"prompt_logprobs": 1}, 400, "unsupported_parameter", ["prompt_logprobs"]),
+    ({"echo": True}, 400, "unsupported_parameter", ["echo=true"]),
+    ({"logit_bias": {"1": "5"}}, 422, "invalid_request", ["logit_bias.1"]),
+    ({"min_tokens": 1.5}, 422, "invalid_request", ["min_tokens"]),
     ({"n": True}, 400, "unsupported_parameter", ["n=true"]),
     ({"stream_options": {"include_usage": True, "foo": 1}}, 400, "unknown_parameter", ["stream_options.foo"]),
     ({"max_tokens": "4"}, 422, "invalid_request", ["max_tokens", "integer"]),
@@ -188,9 +190,14 @@ def test_the_schema_is_strict_and_names_the_field(extra, status, code, words):
 
 def test_harmless_and_off_valued_fields_are_accepted():
     ok = oai.CompletionRequest.model_validate_json(json.dumps({
-        **COMPLETION, "user": "u", "n": 1, "presence_penalty": 0, "frequency_penalty": 0.0, "top_logprobs": 0,
-        "repetition_penalty": 1.0, "skip_special_tokens": True, "logit_bias": {}, "temperature": 0}))
-    assert ok.temperature == 0.0
+        **COMPLETION, "user": "u", "n": 1, "best_of": 1, "top_logprobs": 0, "skip_special_tokens": True,
+        "temperature": 0, "presence_penalty": 1, "repetition_penalty": 1.1, "min_p": 0.05, "min_tokens": 1,
+        "logit_bias": {"12": -100}}))
+    params = ok.sampling_params(16)    # the implemented logits processors reach workers.SamplingParams
+    assert (ok.temperature, params["presence_penalty"], params["repetition_penalty"], params["min_p"],
+            params["min_tokens"], params["logit_bias"]) == (0.0, 1.0, 1.1, 0.05, 1, {12: -100.0})
+    with pytest.raises(ValueError, match="token ids"):
+        oai.CompletionRequest(model="m", prompt="x", logit_bias={"the": 1}).sampling_params(16)
     chat = oai.ChatCompletionRequest.model_validate_json(json.dumps({
         "model": "m", "messages": [{"role": "user", "content": "hi", "name": "bob"}], "metadata": {"k": "v"}}))
     assert chat.chat_messages() == [{"role": "user", "content": "hi"}]

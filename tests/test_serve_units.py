@@ -61,8 +61,8 @@ def test_openai_requests_refuse_what_they_cannot_honour():
         oai.CompletionRequest(model="m", prompt="x", n=2)
     with pytest.raises(ValidationError, match="temperature"):
         oai.CompletionRequest.model_validate_json('{"model": "m", "prompt": "x", "temperature": NaN}')
-    with pytest.raises(ValidationError, match="presence_penalty"):
-        oai.ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], presence_penalty=0.5)
+    with pytest.raises(ValidationError, match="best_of"):
+        oai.ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], best_of=2)
     ok = oai.CompletionRequest(model="m", prompt=["a", "b"], best_of=1, logit_bias={}, user="u")
     assert ok.prompts() == ["a", "b"] and oai.CompletionRequest(model="m", prompt=[1, 2]).prompts() == [[1, 2]]
     with pytest.raises(ValidationError, match="unknown_field"):
