@@ -54,6 +54,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     run.add_argument("--placement-timeout", type=float, default=30.0, metavar="SECONDS",
                      help="fail the start when a replica cannot be placed within this (0: wait forever, e.g. "
                           "for a cluster autoscaler); one that no node could ever hold fails at once")
+    security = run.add_argument_group("security (README: Security)")
+    security.add_argument("--api-key", default=None, metavar="KEY",
+                          help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (default: "
+                               "$LORASERVE_API_KEY; unset = no authentication)")
+    security.add_argument("--enable-hotload", action="store_true",
+                          help="allow /v1/load_lora_adapter and /v1/unload_lora_adapter (off by default)")
+    security.add_argument("--adapter-root", action="append", default=[], metavar="DIR",
+                          help="a directory hot-loaded adapters may come from; repeatable (default: any)")
     args = parser.parse_args(argv)
     if args.demo and args.model:
         parser.error("--demo and --model exclude each other")
@@ -72,13 +80,16 @@ def config_from_args(args: argparse.Namespace) -> LLMConfig:
                      max_loras_per_batch=args.max_loras_per_batch, max_loaded_loras=args.max_loaded_loras,
                      max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
                      enable_chunked_prefill=args.enable_chunked_prefill,
-                     enable_prefix_caching=args.enable_prefix_caching,
+                     enable_prefix_caching=args.enable_prefix_caching, api_key=args.api_key,
+                     enable_hotload=args.enable_hotload, adapter_roots=args.adapter_root,
                      placement_timeout_s=args.placement_timeout or None)
 
 
 def serve_forever(args: argparse.Namespace) -> int:
     """Serve until SIGTERM / SIGINT (exit status 0); 1 when the application cannot start."""
     config = config_from_args(args)
+    for warning in config.startup_warnings():
+        print(f"loraserve: warning: {warning}", file=sys.stderr, flush=True)
     import ray
     import ray._private.ray_constants as ray_constants
     from ray import serve

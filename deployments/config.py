@@ -7,15 +7,19 @@ after that nothing writes to it.
 from __future__ import annotations
 
 import dataclasses
+import os
+from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
+from lora.adapter import check_adapter_name
 from workers.config import EngineConfig
 from workers.device import PLATFORMS
 
 DEMO_MODEL = "demo"                 # the embedded default: a tiny deterministic model built locally
 ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
+API_KEY_ENV = "LORASERVE_API_KEY"   # read when the config is built, if api_key is not given
 
 
 class LLMConfig(BaseModel):
@@ -37,7 +41,11 @@ class LLMConfig(BaseModel):
     max_num_batched_tokens: int | None = Field(None, ge=1)   # tokens per step; default per device
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
-    adapter_roots: list[str] = Field(default_factory=list)
+    adapter_roots: list[str] = Field(default_factory=list)   # local adapter dirs hot-load may read; empty = any
+    # the HTTP edge (README "Security")
+    api_key: SecretStr | None = None               # Bearer key for /v1/* and /metrics; default $LORASERVE_API_KEY
+    enable_hotload: bool = False                   # /v1/load_lora_adapter and /v1/unload_lora_adapter
+    max_request_bytes: int = Field(4 << 20, ge=1024)   # larger request bodies get 413
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)   # any other EngineConfig field
     # Serve
     num_replicas: int | None = Field(None, ge=1)   # fixed count; leave unset with autoscaling_config
@@ -52,13 +60,32 @@ class LLMConfig(BaseModel):
     placement_timeout_s: float | None = Field(30.0, gt=0)
     demo_cache_dir: str | None = None              # where "demo" is generated; default .cache/
 
+    @model_validator(mode="before")
+    @classmethod
+    def _api_key_from_env(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("api_key") is None and os.environ.get(API_KEY_ENV):
+            return {**data, "api_key": os.environ[API_KEY_ENV]}
+        return data
+
     @field_validator("adapters")
     @classmethod
     def _adapter_names(cls, adapters: dict[str, str]) -> dict[str, str]:
         for name in adapters:
-            if not name or ":" in name:
-                raise ValueError(f"adapter name {name!r} must be non-empty and contain no ':'")
+            check_adapter_name(name)
         return adapters
+
+    @field_validator("adapter_roots")
+    @classmethod
+    def _absolute_roots(cls, roots: list[str]) -> list[str]:
+        # replicas do not share the caller's working directory
+        return [str(Path(root).expanduser().absolute()) for root in roots]
+
+    @field_validator("api_key")
+    @classmethod
+    def _api_key(cls, key: SecretStr | None) -> SecretStr | None:
+        if key is not None and not key.get_secret_value().strip():
+            raise ValueError("api_key must not be empty (leave it unset for no authentication)")
+        return key
 
     @field_validator("engine_kwargs")
     @classmethod
@@ -72,6 +99,14 @@ class LLMConfig(BaseModel):
         if self.num_replicas is not None and self.autoscaling_config is not None:
             raise ValueError("set num_replicas or autoscaling_config, not both")
         EngineConfig(**self._engine_args())   # fail here, at the edge, on a bad engine setting
+        if self.base_model_name in self.adapters:
+            raise ValueError(f"adapter name {self.base_model_name!r} is the served base model's name; choose another")
+
+    def startup_warnings(self) -> list[str]:
+        if self.enable_hotload and not self.adapter_roots:
+            return ["hot-load is enabled without adapter_roots: whoever reaches the API can load any directory "
+                    "this server can read; set --adapter-root DIR (adapter_roots) to restrict it"]
+        return []
 
     @property
     def base_model_name(self) -> str:

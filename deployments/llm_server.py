@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 from contextlib import aclosing
 from typing import Any, AsyncIterator
 
@@ -19,9 +20,12 @@ from ray import serve
 from deployments.adapter_mirror import AdapterMirror
 from deployments.adapter_registry import RegistryClient
 from deployments.config import LLMConfig
+from deployments.errors import quiet_caller_errors
 from deployments.loopback import bind_replica_grpc_to_node_ip
 from deployments.metrics import ServerMetrics
+from lora.adapter import check_adapter_name
 from lora.errors import AdapterError, AdapterNotFoundError
+from lora.sources import is_hub_id
 from workers.async_engine import AsyncLLMEngine
 from workers.config import SamplingParams
 from workers.engine import LLMEngine
@@ -41,6 +45,7 @@ class ServedOutput(RequestOutput):
 class LLMServer:
     async def __init__(self, config: LLMConfig):
         bind_replica_grpc_to_node_ip()   # before Serve starts this replica's gRPC server (after __init__)
+        quiet_caller_errors()     # a caller's mistake raised from a method is one log line, not a traceback
         self.config = config
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
@@ -149,6 +154,7 @@ class LLMServer:
         name = serve.get_multiplexed_model_id()
         if not name:
             return None
+        await self.adapters.source_of(name)   # unknown: a 404 here, not an ERROR line from Serve's loader
         await self._warm_adapter(name)        # first use on this replica loads it; Serve learns we hold it
         await self._ensure_loaded(name)       # the registry may have changed since it was warmed
         return name
@@ -164,8 +170,26 @@ class LLMServer:
         if seconds is not None:
             self.metrics.record_adapter_load(seconds, ok=True)
 
-    async def load_adapter(self, name: str, source: str) -> dict[str, Any]:
-        """Hot-load: validated here (AdapterError says why not), then published to every replica."""
+    async def load_adapter(self, name: str, source: str, *, replace: bool = False) -> dict[str, Any]:
+        """Hot-load: validated here (AdapterError says why not), then published to every replica.
+
+        `source` is an absolute directory or a Hub id: a relative path would name a place in the
+        replica's working directory, which is not the caller's. Adapters of the config are fixed for
+        the deployment's life; a hot-loaded name takes a new source only with `replace=True`.
+        """
+        check_adapter_name(name, self.config.base_model_name)
+        source = os.fspath(source) if isinstance(source, os.PathLike) else source
+        if not isinstance(source, str) or not (source.startswith("/") or is_hub_id(source)):
+            raise AdapterError(f"adapter {name!r}: lora_path {str(source)[:200]!r} must be an absolute directory or a "
+                               "Hub id (org/name[@revision]); relative paths are refused")
+        self._check_not_configured(name, "replaced")
+        try:
+            current = await self.adapters.source_of(name)
+        except AdapterNotFoundError:
+            current = None
+        if current not in (None, source) and not replace:
+            raise AdapterError(f"adapter {name!r} is already loaded from another source; send \"replace\": true "
+                               "to replace it")
         try:
             seconds = await self.adapters.load(name, source)
         except AdapterError:
@@ -177,8 +201,14 @@ class LLMServer:
 
     async def unload_adapter(self, name: str) -> dict[str, Any]:
         """Unknown name: AdapterNotFoundError. Running requests finish with the weights they started with."""
+        self._check_not_configured(name, "unloaded")
         await self.adapters.unload(name)
         return {"lora_name": name}
+
+    def _check_not_configured(self, name: str, action: str) -> None:
+        if name in self.config.adapters:
+            raise AdapterError(f"adapter {name!r} is part of the deployment's configuration; it cannot be {action} "
+                               "at run time (change the config and redeploy)")
 
     async def list_adapters(self) -> dict[str, str]:
         """Name -> source of every adapter of the app (this replica's last copy while the registry restarts)."""

@@ -5,16 +5,18 @@ and calls LLMServer with `multiplexed_model_id=<adapter>`. Every error becomes
 an OpenAI error body (errors.py). A stream's status is decided by its first
 item, so a bad request is a 4xx even with `stream: true`; an error after that
 arrives as an SSE error event. Response header `x-loraserve-replica` names the
-LLMServer replica that served the request.
+LLMServer replica that served the request; `x-request-id` (Serve's) names the
+request in the logs. Every /v1 route and /metrics check the API key first, then
+read their body through http_edge (size, UTF-8, strict schema).
 """
-from __future__ import annotations
-
+# No `from __future__ import annotations`: Serve pickles these route functions by value with only the
+# globals their code uses, so FastAPI could not resolve a string annotation such as "Request".
 import asyncio
 import json
+import logging
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -22,29 +24,33 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from deployments import protocol as oai
 from deployments.adapter_registry import RegistryClient, RegistryView
 from deployments.config import LLMConfig
-from deployments.errors import ModelNotFoundError, error_response, sse_error
+from deployments.errors import APIError, ModelNotFoundError, error_response, quiet_caller_errors, sse_error
+from deployments.http_edge import Body, check_api_key, install_error_handlers, read_body, request_id
 from deployments.loopback import bind_replica_grpc_to_node_ip
 from deployments.metrics import render_prometheus
+from lora.adapter import ADAPTER_NAME, check_adapter_name
 from workers.async_engine import EngineDeadError
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
 HEALTH_TIMEOUT_S = 10.0
 REPLICA_HEADER = "x-loraserve-replica"
+logger = logging.getLogger("ray.serve")
 
-app = FastAPI(title="loraserve", docs_url=None, redoc_url=None)
-
-
-@app.exception_handler(RequestValidationError)
-async def _invalid_body(_request: Request, exc: RequestValidationError) -> JSONResponse:
-    return error_response(exc)
+app = FastAPI(title="loraserve", docs_url=None, redoc_url=None, openapi_url=None)
+install_error_handlers(app)
 
 
 @serve.ingress(app)
 class OpenAIIngress:
     def __init__(self, server: DeploymentHandle, config: LLMConfig):
         bind_replica_grpc_to_node_ip()   # before Serve starts this replica's gRPC server (after __init__)
+        quiet_caller_errors()
         self.server = server
         self.base_model = config.base_model_name
+        self.api_key = config.api_key.get_secret_value().encode() if config.api_key else None
+        self.enable_hotload, self.max_request_bytes = config.enable_hotload, config.max_request_bytes
+        for warning in config.startup_warnings():
+            logger.warning("loraserve: %s", warning)
         app_name = serve.get_replica_context().app_name
         # /v1/models and /metrics answer from the registry, or from its last copy while it restarts
         self.registry = RegistryView(RegistryClient(app_name, self.base_model, config.registry_sync_interval_s))
@@ -54,8 +60,9 @@ class OpenAIIngress:
         if model == self.base_model:
             return None
         name = model[len(self.base_model) + 1:] if model.startswith(self.base_model + ":") else model
-        if not name or ":" in name:
-            raise ModelNotFoundError(f"model {model!r} does not exist; serving {self.base_model!r} and its adapters")
+        if not ADAPTER_NAME.fullmatch(name):   # no such adapter can exist: no call to a replica for it
+            raise ModelNotFoundError(f"model {model[:200]!r} does not exist; serving {self.base_model!r} and its "
+                                     "adapters (GET /v1/models)")
         return name
 
     def _handle(self, adapter: str | None, stream: bool = False) -> DeploymentHandle:
@@ -64,10 +71,28 @@ class OpenAIIngress:
     async def _generate(self, adapter: str | None, prompt, params: dict[str, Any]):
         return await self._handle(adapter).generate.remote(prompt, params)
 
+    async def _read(self, request: Request, model: type[Body]) -> Body:
+        check_api_key(request, self.api_key)
+        return await read_body(request, model, self.max_request_bytes)
+
+    def _check_hotload(self, request: Request) -> None:
+        check_api_key(request, self.api_key)
+        # 403 with the switch, not vLLM's 404 of an unregistered route: a documented route answering
+        # "no such route" reads as a wrong URL, and the switch's existence is public (this code).
+        if not self.enable_hotload:
+            raise APIError(403, "PermissionDeniedError", "hotload_disabled",
+                           "runtime adapter loading is disabled on this server; start it with --enable-hotload "
+                           "(enable_hotload: true in the LLMConfig / serve_config.yaml)")
+
+    @staticmethod
+    def _error(exc: BaseException, request: Request) -> Response:
+        return error_response(exc, request_id(request), f"{request.method} {request.url.path[:200]}")
+
     # ---- generation ---------------------------------------------------------------------------------
     @app.post("/v1/completions")
-    async def completions(self, body: oai.CompletionRequest) -> Response:
+    async def completions(self, request: Request) -> Response:
         try:
+            body = await self._read(request, oai.CompletionRequest)
             adapter = self._adapter_of(body.model)
             params = body.sampling_params(COMPLETION_DEFAULT_MAX_TOKENS)
             prompts = body.prompts()
@@ -75,10 +100,10 @@ class OpenAIIngress:
                 if len(prompts) > 1:
                     raise ValueError("stream=true takes a single prompt")
                 return await self._stream(self._handle(adapter, stream=True).generate_stream.remote(
-                    prompts[0], params), body, chat=False)
+                    prompts[0], params), body, request, chat=False)
             outputs = await asyncio.gather(*(self._generate(adapter, p, params) for p in prompts))
         except Exception as exc:  # noqa: BLE001  (every failure becomes an OpenAI error body)
-            return error_response(exc)
+            return self._error(exc, request)
         choices = [oai.completion_choice(i, out.text, oai.finish_reason(out),
                                          oai.completion_logprobs(out) if body.wants_logprobs else None)
                    for i, out in enumerate(outputs)]
@@ -87,29 +112,30 @@ class OpenAIIngress:
                             headers={REPLICA_HEADER: outputs[-1].replica_id})
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(self, body: oai.ChatCompletionRequest) -> Response:
+    async def chat_completions(self, request: Request) -> Response:
         try:
+            body = await self._read(request, oai.ChatCompletionRequest)
             adapter = self._adapter_of(body.model)
             params = body.sampling_params(None)
             messages = body.chat_messages()
             if body.stream:
                 return await self._stream(self._handle(adapter, stream=True).generate_stream.remote(
-                    None, params, messages=messages), body, chat=True)
+                    None, params, messages=messages), body, request, chat=True)
             out = await self._handle(adapter).generate.remote(None, params, messages=messages)
         except Exception as exc:  # noqa: BLE001
-            return error_response(exc)
+            return self._error(exc, request)
         logprobs = oai.chat_logprobs(out) if body.wants_logprobs else None
         choice = oai.chat_choice(0, out.text, oai.finish_reason(out), logprobs)
         usage = oai.usage(out.num_prompt_tokens, len(out.token_ids))
         return JSONResponse(oai.chat_body(oai.new_id("chatcmpl"), body.model, [choice], usage),
                             headers={REPLICA_HEADER: out.replica_id})
 
-    async def _stream(self, items, body: oai.OpenAIRequest, chat: bool) -> Response:
+    async def _stream(self, items, body: oai.OpenAIRequest, request: Request, chat: bool) -> Response:
         first = await items.__anext__()   # raises here (-> 4xx) for a request the server refused
-        return StreamingResponse(self._sse(first, items, body, chat), media_type="text/event-stream",
+        return StreamingResponse(self._sse(first, items, body, request, chat), media_type="text/event-stream",
                                  headers={REPLICA_HEADER: first.replica_id})
 
-    async def _sse(self, first, items, body: oai.OpenAIRequest, chat: bool) -> AsyncIterator[str]:
+    async def _sse(self, first, items, body: oai.OpenAIRequest, request: Request, chat: bool) -> AsyncIterator[str]:
         request_id = oai.new_id("chatcmpl" if chat else "cmpl")
         make_body = oai.chat_body if chat else oai.completion_body
         prompt_tokens, completion_tokens = first.num_prompt_tokens, 0
@@ -137,48 +163,65 @@ class OpenAIIngress:
             if body.include_usage:
                 yield event([], oai.usage(prompt_tokens, completion_tokens))
         except Exception as exc:  # noqa: BLE001  (the 200 is sent: report in-band)
-            yield sse_error(exc)
+            yield sse_error(exc, request_id(request), f"{request.method} {request.url.path[:200]}")
         yield "data: [DONE]\n\n"
 
     # ---- models and adapters ------------------------------------------------------------------------
     @app.get("/v1/models")
-    async def models(self) -> JSONResponse:
+    async def models(self, request: Request) -> Response:
+        try:
+            check_api_key(request, self.api_key)
+        except APIError as exc:
+            return self._error(exc, request)
         sources = await self.registry.adapters()
         data = [{"id": self.base_model, "object": "model", "owned_by": "loraserve", "parent": None}]
-        data += [{"id": name, "object": "model", "owned_by": "loraserve", "parent": self.base_model,
-                  "root": source} for name, source in sorted(sources.items())]
+        # no "root": an adapter's source is a path on the server's disk
+        data += [{"id": name, "object": "model", "owned_by": "loraserve", "parent": self.base_model}
+                 for name in sorted(sources)]
         return JSONResponse({"object": "list", "data": data})
 
     @app.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(self, body: oai.LoadLoRAAdapterRequest) -> Response:
+    async def load_lora_adapter(self, request: Request) -> Response:
         try:
-            result = await self._handle(body.lora_name).load_adapter.remote(body.lora_name, body.lora_path)
+            self._check_hotload(request)
+            body = await read_body(request, oai.LoadLoRAAdapterRequest, self.max_request_bytes)
+            name = check_adapter_name(body.lora_name, self.base_model)
+            result = await self._handle(name).load_adapter.remote(name, body.lora_path, replace=body.replace)
         except Exception as exc:  # noqa: BLE001
-            return error_response(exc)
+            return self._error(exc, request)
         return JSONResponse({"status": "loaded", **result})
 
     @app.post("/v1/unload_lora_adapter")
-    async def unload_lora_adapter(self, body: oai.UnloadLoRAAdapterRequest) -> Response:
+    async def unload_lora_adapter(self, request: Request) -> Response:
         try:
+            self._check_hotload(request)
+            body = await read_body(request, oai.UnloadLoRAAdapterRequest, self.max_request_bytes)
             result = await self._handle(None).unload_adapter.remote(body.lora_name)
         except Exception as exc:  # noqa: BLE001
-            return error_response(exc)
+            return self._error(exc, request)
         return JSONResponse({"status": "unloaded", **result})
 
     # ---- operations ---------------------------------------------------------------------------------
     @app.get("/health")
-    async def health(self) -> Response:
+    async def health(self, request: Request) -> Response:
         """200 when a replica answers healthy (Serve routes around the others); else 503."""
         try:
             healthy = await asyncio.wait_for(self._handle(None).is_healthy.remote(), HEALTH_TIMEOUT_S)
             if not healthy:
                 raise EngineDeadError("the engine is not healthy")
-        except Exception as exc:  # noqa: BLE001
-            return error_response(exc if isinstance(exc, EngineDeadError) else EngineDeadError(repr(exc)))
+        except Exception as exc:  # noqa: BLE001  (the cause goes to the log; the caller is told "unavailable")
+            error = exc if isinstance(exc, EngineDeadError) else EngineDeadError("health check failed")
+            if error is not exc:
+                error.__cause__ = exc
+            return self._error(error, request)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
-    async def metrics(self) -> PlainTextResponse:
+    async def metrics(self, request: Request) -> Response:
+        try:
+            check_api_key(request, self.api_key)
+        except APIError as exc:
+            return self._error(exc, request)
         per_replica: dict[str, Any] = await self.registry.replica_stats()
         return PlainTextResponse(render_prometheus(per_replica, self.base_model),
                                  media_type="text/plain; version=0.0.4")

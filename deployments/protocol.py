@@ -1,66 +1,141 @@
 """The OpenAI wire format: request bodies (validated) and response / stream-chunk bodies.
 
-Fields OpenAI has but this server does not implement are accepted only at
-their defaults, so a request is never silently served differently from what
-it asked for (`n=2` is a 400, not one choice).
+Strict and honest: a field is either implemented, harmless (`HARMLESS`: accepted and
+ignored, it changes nothing in the answer), or accepted only at the value that means
+"off" (`UNSUPPORTED_UNLESS`), so a request is never silently served differently from
+what it asked for (`n=2` is a 400, not one choice). Any other field is a 400 naming it.
+Types are strict: `"4"` is not 4 and `true` is not a token id.
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from workers.sequence import RequestOutput
 
+# accepted and ignored: they label or route a request on OpenAI's side and change nothing in the answer
+HARMLESS = frozenset({"user", "metadata", "safety_identifier", "prompt_cache_key", "service_tier",
+                      "parallel_tool_calls"})
 # field -> the values that mean "off" (anything else asks for something this server does not do)
-UNSUPPORTED_UNLESS = {"n": (1,), "best_of": (None, 1), "echo": (False,), "suffix": (None, ""),
-                      "logit_bias": (None, {}), "presence_penalty": (0.0,), "frequency_penalty": (0.0,),
-                      "tools": (None, []), "response_format": (None, {"type": "text"})}
+UNSUPPORTED_UNLESS = {
+    "n": (1,), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""), "tools": (None, []),
+    "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}), "top_logprobs": (None, 0), "store": (None, False),
+    "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,), "reasoning_effort": (None,),
+    "verbosity": (None,), "web_search_options": (None,),
+    # vLLM extensions
+    "length_penalty": (None, 1),
+    "use_beam_search": (None, False), "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,),
+    "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
+    "include_stop_str_in_output": (None, False), "return_tokens_as_token_ids": (None, True),
+    "add_generation_prompt": (None, True), "continue_final_message": (None, False), "chat_template": (None,),
+    "chat_template_kwargs": (None, {}), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
+    "guided_grammar": (None,), "structured_outputs": (None,), "priority": (None, 0), "request_id": (None,),
+}
+MAX_PROMPTS = 256                          # prompts of one /v1/completions request (each is a handle call)
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)   # what torch.Generator.manual_seed takes
 
 
-class OpenAIRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)   # JSON's NaN / Infinity are not sampling values
+def _is_off(value: Any, offs: tuple) -> bool:
+    """Type-exact: `true` is not 1 and `1.5` is not "off"; 0 and 0.0 are the same number."""
+    def same(off: Any) -> bool:
+        if off is None or isinstance(off, bool) or isinstance(value, bool):
+            return value is off           # None, true and false are singletons
+        if isinstance(off, (int, float)):
+            return isinstance(value, (int, float)) and value == off
+        return type(value) is type(off) and value == off
+    return any(same(off) for off in offs)
 
+
+def _shown(value: Any) -> str:
+    """A caller's value as JSON, cut short (it is echoed in an error message)."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+class StrictModel(BaseModel):
+    """extra="forbid" + strict types; `harmless` fields are dropped, `unsupported` ones pass only when "off"."""
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)   # JSON NaN is no sampling value
+    harmless: ClassVar[frozenset[str]] = frozenset()
+    unsupported: ClassVar[dict[str, tuple]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _only_what_is_served(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        kept = {}
+        for field, value in data.items():
+            if field in cls.harmless:
+                continue
+            if field in cls.unsupported and field not in cls.model_fields:
+                offs = cls.unsupported[field]
+                if not _is_off(value, offs):
+                    raise PydanticCustomError("unsupported_parameter",
+                                              "{field}={value} is not supported by this server (only {offs})",
+                                              {"field": field, "value": _shown(value),
+                                               "offs": " or ".join(_shown(o) for o in offs if o is not None)
+                                               or "null"})
+                continue
+            kept[field] = value
+        return kept
+
+
+class StreamOptions(StrictModel):
+    unsupported = {"continuous_usage_stats": (None, False)}   # vLLM extension
+    include_usage: bool = False
+
+
+class OpenAIRequest(StrictModel):
+    harmless = HARMLESS
+    unsupported = UNSUPPORTED_UNLESS
     model: str
-    max_tokens: int | None = None
+    max_tokens: int | None = Field(None, ge=1)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1                      # vLLM extension
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stop: str | list[str] | None = None
     stop_token_ids: list[int] = Field(default_factory=list)   # vLLM extension
     ignore_eos: bool = False             # vLLM extension
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    user: str | None = None
-    n: int = 1
-    best_of: int | None = None
-    echo: bool = False
-    suffix: str | None = None
-    logit_bias: dict[str, float] | None = None
+    stream_options: StreamOptions | None = None
+    # logits processors (ranges checked by workers.SamplingParams: a ValueError, so a 400)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
-
-    @model_validator(mode="after")
-    def _supported(self):
-        for field, allowed in UNSUPPORTED_UNLESS.items():
-            if getattr(self, field) not in allowed:
-                raise ValueError(f"{field}={getattr(self, field)!r} is not supported (only {allowed[0]!r})")
-        return self
+    repetition_penalty: float = 1.0      # vLLM extension
+    min_p: float = 0.0                   # vLLM extension
+    min_tokens: int = 0                  # vLLM extension
+    logit_bias: dict[str, float] | None = None   # OpenAI's: token id (as a JSON key) -> bias
 
     def sampling_params(self, default_max_tokens: int | None) -> dict[str, Any]:
         """Keyword arguments of workers.SamplingParams; max_tokens None = the rest of the context."""
         return dict(max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
                     temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
-                    stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos)
+                    stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+                    presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                    repetition_penalty=self.repetition_penalty, min_p=self.min_p, min_tokens=self.min_tokens,
+                    logit_bias=self._token_bias())
+
+    def _token_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        bad = next((key for key in self.logit_bias if not key.isdigit()), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias keys must be token ids (digits), got {_shown(bad)}")
+        return {int(key): value for key, value in self.logit_bias.items()}
 
     @property
     def include_usage(self) -> bool:
-        return bool((self.stream_options or {}).get("include_usage"))
+        return bool(self.stream_options and self.stream_options.include_usage)
 
 
 class CompletionRequest(OpenAIRequest):
@@ -77,26 +152,34 @@ class CompletionRequest(OpenAIRequest):
             return [prompt]
         if not prompt:
             raise ValueError("prompt is empty")
+        if len(prompt) > MAX_PROMPTS:
+            raise ValueError(f"prompt holds {len(prompt)} prompts; at most {MAX_PROMPTS} per request")
         return list(prompt)
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ContentPart(StrictModel):
+    model_config = ConfigDict(extra="allow")   # other part types carry their own fields; refused in text()
+    type: str
+    text: str = ""
+
+
+class ChatMessage(StrictModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[ContentPart] | None = None
+    name: str | None = None              # harmless: chat templates of this model family ignore it
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            parts = [p for p in self.content if p.get("type") != "text"]
+            parts = [p for p in self.content if p.type != "text"]
             if parts:
-                raise ValueError(f"message content parts of type {parts[0].get('type')!r} are not supported")
-            return "".join(p.get("text", "") for p in self.content)
+                raise ValueError(f"message content parts of type {_shown(parts[0].type)} are not supported")
+            return "".join(p.text for p in self.content)
         return self.content or ""
 
 
 class ChatCompletionRequest(OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
 
     @property
@@ -113,13 +196,14 @@ class ChatCompletionRequest(OpenAIRequest):
         return params
 
 
-class LoadLoRAAdapterRequest(BaseModel):
-    lora_name: str = Field(min_length=1)
-    lora_path: str = Field(min_length=1)
+class LoadLoRAAdapterRequest(StrictModel):
+    lora_name: str = Field(min_length=1, max_length=1024)
+    lora_path: str = Field(min_length=1, max_length=4096)
+    replace: bool = False                # a hot-loaded name gets a new source only when asked
 
 
-class UnloadLoRAAdapterRequest(BaseModel):
-    lora_name: str = Field(min_length=1)
+class UnloadLoRAAdapterRequest(StrictModel):
+    lora_name: str = Field(min_length=1, max_length=1024)
 
 
 # ---- responses ---------------------------------------------------------------------------------------

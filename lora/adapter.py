@@ -6,20 +6,35 @@ engine; `load_adapter` reads the PEFT format (safetensors only).
 from __future__ import annotations
 
 import math
+import re
 
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 import torch
 
-from lora.errors import AdapterRankError, AdapterShapeError, AdapterTargetError, AdapterWeightsError
-from lora.peft_format import LoraSettings, LoraTensorPair, read_settings, read_tensor_pairs, resolve_source
+from lora.errors import AdapterError, AdapterRankError, AdapterShapeError, AdapterTargetError, AdapterWeightsError
+from lora.peft_format import LoraSettings, LoraTensorPair, read_settings, read_tensor_pairs
+from lora.sources import resolve_source
 
 # Per-layer linear modules, in the order the model stacks them (qkv, gate_up).
 LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Whole-model modules; their weights are stored under layer index -1.
 GLOBAL_MODULES = ("embed_tokens", "lm_head")
 SUPPORTED_MODULES = LINEAR_MODULES + GLOBAL_MODULES
+# A name is a routing key (`<base>:<adapter>`), a metric label and a log field: no ':', '/', spaces, newlines.
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def check_adapter_name(name: object, base_model: str | None = None) -> str:
+    """`name` if it is a valid adapter name (and not the served base model's), else AdapterError saying why."""
+    if not isinstance(name, str) or not ADAPTER_NAME.fullmatch(name):
+        shown = repr(name[:64] + "..." if isinstance(name, str) and len(name) > 64 else name)
+        raise AdapterError(f"adapter name {shown} is invalid: expected 1 to 128 letters, digits, '.', '_' or '-', "
+                           "starting with a letter or digit")
+    if name == base_model:
+        raise AdapterError(f"adapter name {name!r} is the served base model's name; choose another")
+    return name
 
 
 @dataclass(frozen=True)

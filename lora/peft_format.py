@@ -1,4 +1,4 @@
-"""The PEFT LoRA format on disk: where an adapter lives, its config, its tensors.
+"""The PEFT LoRA format on disk: its config and its tensors (lora/sources.py finds the directory).
 
 Knows nothing of the base model; `lora.adapter.load_adapter` validates what is
 read here against a `LoRAModelSpec`. Every error names the adapter.
@@ -7,24 +7,22 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-import huggingface_hub
 import torch
-from huggingface_hub.errors import HFValidationError
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from lora.errors import (AdapterConfigError, AdapterNotFoundError, AdapterPathError,
-                         AdapterUnsupportedError, AdapterWeightsError)
+from lora.errors import AdapterConfigError, AdapterUnsupportedError, AdapterWeightsError
+from lora.sources import check_inside_roots, read_small_file, regular_file
 
 CONFIG_NAME = "adapter_config.json"
 SAFETENSORS_NAME = "adapter_model.safetensors"
 PICKLED_NAME = "adapter_model.bin"
+MAX_CONFIG_BYTES = 1 << 20     # a PEFT config is a few hundred bytes; this bounds what a load reads into memory
 
 # PEFT's LoraConfig default, used when a config omits lora_alpha.
 DEFAULT_LORA_ALPHA = 8
@@ -46,54 +44,10 @@ UNSUPPORTED_FIELDS = {
     "kasa_config": "KaSA",
 }
 
-# `org/name` or `org/name@revision`; anything else that does not exist is a missing path.
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?")
 # PEFT saves `base_model.model.<module path>.<parameter>` with the adapter name stripped.
 _TENSOR_KEY = re.compile(
     r"base_model\.model\.(?P<path>.+)\.(?P<param>lora_A\.weight|lora_B\.weight|lora_embedding_A|lora_embedding_B)")
 _LAYER_INDEX = re.compile(r"(?:.*\.)?layers\.(\d+)\..+")
-
-
-def resolve_source(name: str, source: str, adapter_roots: Sequence[str] | None,
-                   allow_hub: bool = True) -> tuple[Path, Sequence[str]]:
-    """The directory holding the adapter, and the roots its files must stay inside."""
-    path = Path(source)
-    if _HUB_ID.fullmatch(source) and not path.exists():
-        if not allow_hub:
-            raise AdapterPathError(f"adapter {name!r}: {source!r} is not a local directory and Hub ids are "
-                                   f"not allowed here (adapter_roots {list(adapter_roots or [])}; "
-                                   "allow_hub_adapters=True permits them)")
-        # Hub snapshots live in the HF cache, which the roots do not restrict.
-        return _snapshot(name, source), ()
-    roots = adapter_roots or ()
-    check_inside_roots(name, path, roots)
-    if not path.is_dir():
-        raise AdapterNotFoundError(f"adapter {name!r}: source {source!r} is not a directory nor a Hub id (org/name)")
-    return path, roots
-
-
-def check_inside_roots(name: str, path: Path, roots: Sequence[str]) -> None:
-    """Refuse `path` unless it resolves inside a root; realpath defeats `..` and symlinks."""
-    if not roots:
-        return
-    real = os.path.realpath(path)
-    for root in roots:
-        real_root = os.path.realpath(root)
-        if os.path.commonpath([real, real_root]) == real_root:
-            return
-    raise AdapterPathError(f"adapter {name!r}: path {str(path)!r} resolves to {real!r}, "
-                           f"outside adapter_roots {list(roots)}")
-
-
-def _snapshot(name: str, source: str) -> Path:
-    repo_id, _, revision = source.partition("@")
-    try:
-        folder = huggingface_hub.snapshot_download(
-            repo_id, revision=revision or None, allow_patterns=[CONFIG_NAME, SAFETENSORS_NAME])
-    except (OSError, HFValidationError) as error:  # not found, offline and not cached, bad id
-        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise AdapterNotFoundError(f"adapter {name!r}: Hub repo {source!r} unavailable: {reason}") from error
-    return Path(folder)
 
 
 @dataclass(frozen=True)
@@ -125,10 +79,8 @@ def read_settings(name: str, directory: Path, roots: Sequence[str]) -> LoraSetti
     path = directory / CONFIG_NAME
     check_inside_roots(name, path, roots)
     try:
-        config = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise AdapterConfigError(f"adapter {name!r}: {CONFIG_NAME} missing in {str(directory)!r}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        config = json.loads(read_small_file(name, path, MAX_CONFIG_BYTES).decode())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
         raise AdapterConfigError(f"adapter {name!r}: {CONFIG_NAME} is not valid JSON: {error}") from error
     if not isinstance(config, dict):
         raise AdapterConfigError(f"adapter {name!r}: {CONFIG_NAME} must hold a JSON object")
@@ -189,12 +141,11 @@ class LoraTensorPair:
 
 def read_tensor_pairs(name: str, directory: Path, roots: Sequence[str]) -> list[LoraTensorPair]:
     path = directory / SAFETENSORS_NAME
-    if not path.exists():
-        if (directory / PICKLED_NAME).exists():
-            raise AdapterUnsupportedError(f"adapter {name!r}: only {PICKLED_NAME} found; pickled weights are "
-                                          f"refused, expected {SAFETENSORS_NAME}")
-        raise AdapterNotFoundError(f"adapter {name!r}: {SAFETENSORS_NAME} missing in {str(directory)!r}")
+    if not path.exists() and (directory / PICKLED_NAME).exists():
+        raise AdapterUnsupportedError(f"adapter {name!r}: only {PICKLED_NAME} found; pickled weights are "
+                                      f"refused, expected {SAFETENSORS_NAME}")
     check_inside_roots(name, path, roots)
+    regular_file(name, path)
     try:
         tensors = load_file(path)
     except (OSError, SafetensorError) as error:

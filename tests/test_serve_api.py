@@ -39,7 +39,7 @@ def url(files):
         # max_ongoing_requests=2: a burst overflows the replica holding an adapter, so both replicas serve
         serve.run(build_app(dict(model=str(files["model"]), served_model_name=BASE, adapters={"a": str(files["a"])},
                                  device="cpu", max_model_len=MAX_MODEL_LEN, max_lora_rank=MAX_RANK, num_replicas=2,
-                                 max_ongoing_requests=2, registry_sync_interval_s=0.1)),
+                                 max_ongoing_requests=2, registry_sync_interval_s=0.1, enable_hotload=True)),
                   name=APP, route_prefix="/")
         yield base_url
 
@@ -155,7 +155,7 @@ BAD_REQUESTS = [  # (what, path, json body or raw text, status, a word of the me
      404, "gpt-4"),
     ("malformed JSON", "/v1/completions", '{"model": "tiny", "prompt": ', 400, "JSON"),
     ("missing field", "/v1/completions", {"model": BASE}, 422, "prompt"),
-    ("unsupported n", "/v1/completions", {"model": BASE, "prompt": "Hi", "n": 2}, 422, "n=2"),
+    ("unsupported n", "/v1/completions", {"model": BASE, "prompt": "Hi", "n": 2}, 400, "n=2"),
     ("max_tokens beyond context", "/v1/completions", {"model": BASE, "prompt": "Hi", "max_tokens": 4096}, 400,
      "max_model_len"),
     ("streamed, beyond context", "/v1/completions",
@@ -257,3 +257,15 @@ def test_tensor_parallel_replica_runs_its_ranks_in_its_placement_group(url, file
         assert error["code"] == "service_unavailable"
     finally:
         serve.delete("tp")
+
+
+def test_hotload_without_adapter_roots_warns_at_start(url):
+    """This app enables hot-load with no adapter_roots: its ingress says so in its log when it starts."""
+    from pathlib import Path
+
+    import ray
+
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
+    ingress_logs = [p.read_text() for p in logs.glob(f"replica_{APP}_OpenAIIngress_*.log")]
+    assert ingress_logs and all("WARNING" in text and "hot-load is enabled without adapter_roots" in text
+                                for text in ingress_logs)

@@ -34,7 +34,7 @@ def url(model_dir, tmp_path_factory):
     with local_serve(num_cpus=4) as base_url:
         serve.run(build_app(dict(model=str(model), served_model_name=BASE, device="cpu", max_model_len=256,
                                  autoscaling_config=AUTOSCALING, max_ongoing_requests=4,
-                                 registry_sync_interval_s=0.1)), name=APP, route_prefix="/")
+                                 registry_sync_interval_s=0.1, enable_hotload=True)), name=APP, route_prefix="/")
         # hot-loaded while only one replica exists: the replica autoscaling adds must still serve it
         load = requests.post(f"{base_url}/v1/load_lora_adapter", json={"lora_name": "hot", "lora_path": str(hot)},
                              timeout=120)

@@ -61,10 +61,12 @@ def test_openai_requests_refuse_what_they_cannot_honour():
         oai.CompletionRequest(model="m", prompt="x", n=2)
     with pytest.raises(ValidationError, match="temperature"):
         oai.CompletionRequest.model_validate_json('{"model": "m", "prompt": "x", "temperature": NaN}')
-    with pytest.raises(ValidationError, match="presence_penalty"):
-        oai.ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], presence_penalty=0.5)
-    ok = oai.CompletionRequest(model="m", prompt=["a", "b"], best_of=1, logit_bias={}, user="u", unknown_field=1)
+    with pytest.raises(ValidationError, match="best_of"):
+        oai.ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], best_of=2)
+    ok = oai.CompletionRequest(model="m", prompt=["a", "b"], best_of=1, logit_bias={}, user="u")
     assert ok.prompts() == ["a", "b"] and oai.CompletionRequest(model="m", prompt=[1, 2]).prompts() == [[1, 2]]
+    with pytest.raises(ValidationError, match="unknown_field"):
+        oai.CompletionRequest(model="m", prompt="x", unknown_field=1)
     parts = [{"type": "text", "text": "hi"}]
     chat = oai.ChatCompletionRequest(model="m", messages=[{"role": "user", "content": parts}], max_completion_tokens=5)
     assert chat.chat_messages() == [{"role": "user", "content": "hi"}] and chat.sampling_params(None)["max_tokens"] == 5
@@ -75,13 +77,17 @@ def test_openai_requests_refuse_what_they_cannot_honour():
 @pytest.mark.parametrize("exc, status", [
     (AdapterNotFoundError("adapter 'x' is not loaded"), 404), (ModelNotFoundError("m"), 404),
     (AdapterRankError("adapter 'x': rank 16 > max_lora_rank 8"), 400), (ValueError("max_tokens"), 400),
-    (EngineDeadError("dead"), 503), (RequestError("failed"), 500), (RuntimeError("bug"), 500),
+    (EngineDeadError("dead: actor 5f3a pid 4242"), 503), (RequestError("failed at 10.0.0.7"), 500),
+    (RuntimeError("bug in /srv/loraserve/x.py"), 500),
 ])
 def test_errors_map_to_openai_bodies(exc, status):
     assert classify(exc)[0] == status
-    code, body = error_body(exc)
+    code, body = error_body(exc, request_id="rid-1")
     assert code == status and set(body["error"]) >= {"message", "type", "code"}
-    assert body["error"]["message"] == str(exc)
+    if status < 500:   # a caller's mistake is named; our own failure says what kind it was, and the request id
+        assert body["error"]["message"] == str(exc)
+    else:
+        assert str(exc) not in body["error"]["message"] and "rid-1" in body["error"]["message"]
 
 
 def test_an_error_from_another_replica_keeps_its_status_and_message():

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 
-from lora.adapter import LoRAAdapter, LoRAModelSpec, load_adapter
+from lora.adapter import LoRAAdapter, LoRAModelSpec, check_adapter_name, load_adapter
 from lora.cache import HostAdapterCache
 from lora.errors import AdapterError, AdapterNotFoundError
 from lora.slots import SlotTable
@@ -47,8 +47,7 @@ class AdapterManager:
         A new source for a known name replaces it (refused while running requests use the old
         weights); if the new source is invalid the old one stays registered.
         """
-        if not name or ":" in name:
-            raise AdapterError(f"adapter name {name!r} must be non-empty and contain no ':'")
+        check_adapter_name(name)
         if pinned and name not in self.pinned and len(self.pinned) + 1 >= self.max_loras_per_batch:
             raise AdapterError(f"adapter {name!r}: pinning it would leave no free slot "
                                f"(max_loras_per_batch={self.max_loras_per_batch})")

@@ -1,0 +1,241 @@
+"""Security at the edge, without Ray: adapter names, regular files only, the config and CLI switches, the strict
+request schema, error messages that hide internals, and the log filter that keeps a caller's mistake out of ERROR."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from factories import make_adapter, read_json
+from pydantic import ValidationError
+
+from deployments import protocol as oai
+from deployments.cli import config_from_args, parse_args
+from deployments.config import LLMConfig
+from deployments.errors import CallerErrorLogFilter, classify, error_body, message_of
+from lora.adapter import check_adapter_name, load_adapter, model_spec_from_hf_config
+from lora.errors import AdapterConfigError, AdapterError
+from lora.peft_format import CONFIG_NAME, SAFETENSORS_NAME
+from workers.adapters import AdapterManager
+
+GOOD_NAMES = ["a", "demo-a", "A1.b_c-d", "0", "x" * 128]
+BAD_NAMES = ["", "a:b", "a/b", "..", ".hidden", "-a", "_a", "a b", "line\nbreak", "x" * 129, "é", "a\x00", 5, None]
+
+
+@pytest.fixture(scope="module")
+def adapter(model_dir, tmp_path_factory):
+    model = model_dir("qwen3")
+    return model, make_adapter(model, tmp_path_factory.mktemp("sec") / "good", r=4, seed=3)
+
+
+@pytest.fixture(scope="module")
+def spec(adapter):
+    return model_spec_from_hf_config(read_json(adapter[0] / "config.json"))
+
+
+@pytest.mark.parametrize("name", GOOD_NAMES)
+def test_valid_adapter_names(name):
+    assert check_adapter_name(name, "tiny") == name
+
+
+@pytest.mark.parametrize("name", BAD_NAMES, ids=repr)
+def test_invalid_adapter_names_are_refused_everywhere(name, spec, adapter):
+    with pytest.raises(AdapterError, match="is invalid: expected 1 to 128"):
+        check_adapter_name(name)
+    manager = AdapterManager(spec, max_lora_rank=8, max_loaded_loras=2, max_loras_per_batch=1)
+    try:   # the engine's own door: handle callers and Python users of LLMEngine are covered too
+        with pytest.raises(AdapterError, match="is invalid"):
+            manager.load(name, str(adapter[1]))
+        assert manager.list() == {}
+    finally:
+        manager.close()
+    if isinstance(name, str):
+        with pytest.raises(ValidationError, match="is invalid"):
+            LLMConfig(model="/m", adapters={name: "/x"})
+
+
+def test_an_adapter_never_takes_the_base_models_name():
+    with pytest.raises(AdapterError, match="base model"):
+        check_adapter_name("tiny", "tiny")
+    with pytest.raises(ValidationError, match="base model"):
+        LLMConfig(model="/m", served_model_name="tiny", adapters={"tiny": "/x"})
+    message = str(pytest.raises(AdapterError, check_adapter_name, "y" * 10_000).value)
+    assert len(message) < 300   # a 10 kB name is not echoed whole
+
+
+def _load_guarded(path: Path, spec, fifos: list[Path]):
+    """load_adapter on a thread; a load blocked on a FIFO is released (writer opened) and the test fails."""
+    result: dict = {}
+
+    def run():
+        try:
+            result["value"] = load_adapter("x", str(path), spec, max_lora_rank=8)
+        except Exception as exc:  # noqa: BLE001
+            result["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(20)
+    if thread.is_alive():
+        for fifo in fifos:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join(10)
+        pytest.fail(f"load_adapter blocked on a FIFO under {path}")
+    return result
+
+
+@pytest.mark.parametrize("target", [CONFIG_NAME, SAFETENSORS_NAME])
+def test_only_regular_files_are_opened(adapter, spec, tmp_path, target):
+    fifo_dir = tmp_path / "fifo"
+    shutil.copytree(adapter[1], fifo_dir)
+    (fifo_dir / target).unlink()
+    os.mkfifo(fifo_dir / target)
+    result = _load_guarded(fifo_dir, spec, [fifo_dir / target])
+    assert isinstance(result.get("error"), AdapterConfigError), result
+    assert f"{target} is not a regular file" in str(result["error"])
+
+    device_dir = tmp_path / "device"
+    shutil.copytree(adapter[1], device_dir)
+    (device_dir / target).unlink()
+    (device_dir / target).symlink_to("/dev/zero")     # endless: read whole, it would exhaust memory
+    result = _load_guarded(device_dir, spec, [])
+    assert f"{target} is not a regular file" in str(result.get("error")), result
+
+
+def test_an_oversized_config_is_not_read(adapter, spec, tmp_path):
+    big = tmp_path / "big"
+    shutil.copytree(adapter[1], big)
+    config = read_json(big / CONFIG_NAME)
+    config["padding"] = "x" * (2 << 20)
+    (big / CONFIG_NAME).write_text(json.dumps(config))
+    with pytest.raises(AdapterConfigError, match="over the limit"):
+        load_adapter("x", str(big), spec, max_lora_rank=8)
+
+
+def test_config_security_fields(monkeypatch, tmp_path):
+    monkeypatch.delenv("LORASERVE_API_KEY", raising=False)
+    plain = LLMConfig(model="/m")
+    assert (plain.api_key, plain.enable_hotload, plain.adapter_roots, plain.max_request_bytes) == (
+        None, False, [], 4 << 20)
+    assert plain.startup_warnings() == []
+    assert "without adapter_roots" in LLMConfig(model="/m", enable_hotload=True).startup_warnings()[0]
+    assert LLMConfig(model="/m", enable_hotload=True, adapter_roots=["/srv/a"]).startup_warnings() == []
+    monkeypatch.chdir(tmp_path)
+    assert LLMConfig(model="/m", adapter_roots=["rel"]).adapter_roots == [str(tmp_path / "rel")]
+
+    monkeypatch.setenv("LORASERVE_API_KEY", "from-env")
+    assert LLMConfig(model="/m").api_key.get_secret_value() == "from-env"
+    assert LLMConfig.model_validate({"model": "/m"}).api_key.get_secret_value() == "from-env"   # serve_config.yaml
+    explicit = LLMConfig(model="/m", api_key="given")
+    assert explicit.api_key.get_secret_value() == "given"
+    assert "given" not in repr(explicit) and "given" not in str(explicit.model_dump())   # never in a log line
+    with pytest.raises(ValidationError, match="api_key"):
+        LLMConfig(model="/m", api_key=" ")
+    with pytest.raises(ValidationError, match="max_request_bytes"):
+        LLMConfig(model="/m", max_request_bytes=10)
+
+
+def test_cli_security_flags(capsys, monkeypatch):
+    monkeypatch.delenv("LORASERVE_API_KEY", raising=False)
+    config = config_from_args(parse_args(["serve", "--api-key", "k1", "--enable-hotload", "--adapter-root", "/srv/a",
+                                          "--adapter-root", "/srv/b"]))
+    assert (config.api_key.get_secret_value(), config.enable_hotload, config.adapter_roots) == (
+        "k1", True, ["/srv/a", "/srv/b"])
+    default = config_from_args(parse_args(["serve", "--demo"]))
+    assert (default.api_key, default.enable_hotload, default.adapter_roots) == (None, False, [])
+    with pytest.raises(SystemExit):
+        parse_args(["serve", "--help"])
+    help_text = capsys.readouterr().out
+    for flag in ("--api-key KEY", "--enable-hotload", "--adapter-root DIR", "LORASERVE_API_KEY"):
+        assert flag in help_text, flag
+
+
+COMPLETION = {"model": "m", "prompt": "x"}
+SCHEMA_CASES = [  # (extra fields, HTTP status, code, words the message must hold)
+    ({"foo": 1}, 400, "unknown_parameter", ["foo", "unknown field"]),
+    ({"top_logprobs": 2}, 400, "unsupported_parameter", ["top_logprobs=2", "not supported"]),
+    ({"use_beam_search": True}, 400, "unsupported_parameter", ["use_beam_search"]),
+    ({"prompt_logprobs": 1}, 400, "unsupported_parameter", ["prompt_logprobs"]),
+    ({"echo": True}, 400, "unsupported_parameter", ["echo=true"]),
+    ({"logit_bias": {"1": "5"}}, 422, "invalid_request", ["logit_bias.1"]),
+    ({"min_tokens": 1.5}, 422, "invalid_request", ["min_tokens"]),
+    ({"n": True}, 400, "unsupported_parameter", ["n=true"]),
+    ({"stream_options": {"include_usage": True, "foo": 1}}, 400, "unknown_parameter", ["stream_options.foo"]),
+    ({"max_tokens": "4"}, 422, "invalid_request", ["max_tokens", "integer"]),
+    ({"max_tokens": 4.0}, 422, "invalid_request", ["max_tokens"]),
+    ({"prompt": [True, False]}, 422, "invalid_request", ["prompt"]),
+    ({"stop_token_ids": [True]}, 422, "invalid_request", ["stop_token_ids.0"]),
+    ({"stream": "true"}, 422, "invalid_request", ["stream"]),
+    ({"logprobs": True}, 422, "invalid_request", ["logprobs"]),
+    ({"temperature": "0.5"}, 422, "invalid_request", ["temperature"]),
+    ({"seed": 1 << 70}, 422, "invalid_request", ["seed"]),
+]
+
+
+@pytest.mark.parametrize("extra, status, code, words", SCHEMA_CASES, ids=[json.dumps(c[0]) for c in SCHEMA_CASES])
+def test_the_schema_is_strict_and_names_the_field(extra, status, code, words):
+    with pytest.raises(ValidationError) as info:
+        oai.CompletionRequest.model_validate_json(json.dumps({**COMPLETION, **extra}))
+    assert classify(info.value)[:3:2] == (status, code)
+    message = message_of(info.value)
+    for word in words:
+        assert word in message, message
+    assert "https://" not in message and "ChatMessage" not in message and "input_value" not in message
+
+
+def test_harmless_and_off_valued_fields_are_accepted():
+    ok = oai.CompletionRequest.model_validate_json(json.dumps({
+        **COMPLETION, "user": "u", "n": 1, "best_of": 1, "top_logprobs": 0, "skip_special_tokens": True,
+        "temperature": 0, "presence_penalty": 1, "repetition_penalty": 1.1, "min_p": 0.05, "min_tokens": 1,
+        "logit_bias": {"12": -100}}))
+    params = ok.sampling_params(16)    # the implemented logits processors reach workers.SamplingParams
+    assert (ok.temperature, params["presence_penalty"], params["repetition_penalty"], params["min_p"],
+            params["min_tokens"], params["logit_bias"]) == (0.0, 1.0, 1.1, 0.05, 1, {12: -100.0})
+    with pytest.raises(ValueError, match="token ids"):
+        oai.CompletionRequest(model="m", prompt="x", logit_bias={"the": 1}).sampling_params(16)
+    chat = oai.ChatCompletionRequest.model_validate_json(json.dumps({
+        "model": "m", "messages": [{"role": "user", "content": "hi", "name": "bob"}], "metadata": {"k": "v"}}))
+    assert chat.chat_messages() == [{"role": "user", "content": "hi"}]
+    with pytest.raises(ValidationError, match="tool_calls"):
+        oai.ChatCompletionRequest.model_validate_json(json.dumps({
+            "model": "m", "messages": [{"role": "assistant", "content": "", "tool_calls": []}]}))
+    with pytest.raises(ValidationError, match="replace"):
+        oai.LoadLoRAAdapterRequest.model_validate_json('{"lora_name": "a", "lora_path": "/a", "replace": "yes"}')
+
+
+def test_server_failures_hide_their_details():
+    from ray.exceptions import RayActorError
+
+    for exc in (RayActorError(error_msg="actor 8f2e... pid=4242 ip=10.1.2.3 namespace=loraserve died"),
+                TimeoutError("replicas ['abc123'] did not apply version 7"),
+                KeyError("/srv/loraserve/workers/engine.py")):
+        status, body = error_body(exc, request_id="rid-9")
+        assert status >= 500 and "rid-9" in body["error"]["message"]
+        for secret in ("pid", "10.1.2.3", "abc123", "/srv", "namespace"):
+            assert secret not in body["error"]["message"]
+
+
+def test_a_callers_mistake_is_one_info_line_without_traceback():
+    log_filter = CallerErrorLogFilter()
+
+    def record_of(exc: BaseException, pathname: str = "/venv/ray/serve/_private/replica.py") -> logging.LogRecord:
+        try:
+            raise exc
+        except BaseException:  # noqa: BLE001
+            return logging.makeLogRecord({"name": "ray.serve", "levelno": logging.ERROR, "levelname": "ERROR",
+                                          "msg": "Request failed.", "exc_info": sys.exc_info(),
+                                          "pathname": pathname})
+
+    mistake = record_of(ValueError("max_tokens (9999) exceeds max_model_len (256)"))
+    assert log_filter.filter(mistake)
+    assert (mistake.levelno, mistake.exc_info) == (logging.INFO, None)
+    assert mistake.getMessage() == "Request failed. (caller error: max_tokens (9999) exceeds max_model_len (256))"
+    ours = record_of(RuntimeError("a bug"))
+    assert log_filter.filter(ours) and ours.levelno == logging.ERROR and ours.exc_info is not None
+    elsewhere = record_of(ValueError("logged by our own code"), pathname="/repo/deployments/adapter_registry.py")
+    assert log_filter.filter(elsewhere) and elsewhere.exc_info is not None   # only Serve's request log is quieted
