@@ -22,6 +22,7 @@ from workers.async_engine import AsyncLLMEngine
 
 logger = logging.getLogger("ray.serve")
 NAMESPACE = "loraserve"
+HEAD_NODE_RESOURCE = "node:__internal_head__"   # Ray gives it to the head node only
 APPLY_TIMEOUT_S = 30.0   # a replica that does not confirm within this is stuck; the caller is told
 
 
@@ -99,12 +100,15 @@ def get_registry(app_name: str, base_model: str, sync_interval_s: float):
 
     Detached, so it outlives any one replica (autoscaling may stop the one that
     created it); `scheduling_strategy="DEFAULT"` keeps it out of the caller's
-    placement group. Keyed by app and base model: adapters of another base
-    model are never offered to this one.
+    placement group. On the head node (like Serve's controller): placed next to
+    its first replica, it would keep that node from ever being scaled down.
+    Keyed by app and base model: adapters of another base model are never
+    offered to this one.
     """
     return AdapterRegistry.options(
         name=registry_name(app_name, base_model), namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
-        scheduling_strategy="DEFAULT").remote(stale_after_s=max(3.0, 10 * sync_interval_s))
+        scheduling_strategy="DEFAULT", resources={HEAD_NODE_RESOURCE: 0.001},
+    ).remote(stale_after_s=max(3.0, 10 * sync_interval_s))
 
 
 class AdapterMirror:
