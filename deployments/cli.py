@@ -1,7 +1,8 @@
 """`loraserve serve ...`: start Ray (or join a cluster), deploy the app, serve HTTP until interrupted.
 
 Without --address a private single-node Ray is started on loopback (its own
-temp dir, no dashboard); HTTP binds --host (127.0.0.1 by default).
+temp dir, no dashboard, a random port); HTTP binds --host (127.0.0.1 by default).
+Once serving, it prints the Ray address a separate script passes to `ray.init`.
 """
 from __future__ import annotations
 
@@ -66,10 +67,10 @@ def serve_forever(args: argparse.Namespace) -> None:
 
     temp_dir = None
     if args.address:
-        ray.init(address=args.address)
+        context = ray.init(address=args.address)
     else:
         temp_dir = tempfile.mkdtemp(prefix="lsr-", dir="/tmp")   # short: Ray's socket paths have a length limit
-        init_local_ray(temp_dir, num_cpus=args.num_cpus or os.cpu_count() or 2)
+        context = init_local_ray(temp_dir, num_cpus=args.num_cpus or os.cpu_count() or 2)
     from deployments.app import build_app
 
     stop = threading.Event()
@@ -79,6 +80,7 @@ def serve_forever(args: argparse.Namespace) -> None:
         serve.run(build_app(config), name=args.name, route_prefix="/", blocking=False)
         base = f"http://{args.host}:{args.port}"
         print(f"loraserve: serving {config.base_model_name!r} at {base}/v1 (models: {base}/v1/models)", flush=True)
+        print(ray_address_hint(context.address_info["gcs_address"], args.name), flush=True)
         stop.wait()
     except KeyboardInterrupt:
         pass
@@ -87,6 +89,13 @@ def serve_forever(args: argparse.Namespace) -> None:
         ray.shutdown()
         if temp_dir:
             shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def ray_address_hint(address: str, app_name: str) -> str:
+    """How a separate Python script joins this Ray (the local one listens on a random loopback port)."""
+    return (f"loraserve: Ray at {address}; from a script: ray.init(address=\"{address}\"), then "
+            f"serve.get_deployment_handle(\"LLMServer\", app_name=\"{app_name}\") "
+            f"(run it with RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 when the address is 127.0.0.1)")
 
 
 def main(argv: list[str] | None = None) -> None:
