@@ -37,6 +37,7 @@ from ray.experimental import internal_kv
 
 logger = logging.getLogger("ray.serve")
 NAMESPACE = "loraserve"
+HEAD_NODE_RESOURCE = "node:__internal_head__"   # Ray gives it to the head node only
 APPLY_TIMEOUT_S = 30.0   # a replica that does not confirm within this is stuck; the caller is told
 CALL_TIMEOUT_S = 5.0     # a registry call that takes longer: the registry is down (it restarts in ~1-5 s)
 VIEW_TIMEOUT_S = 1.0     # the ingress answers from its last copy after this
@@ -182,13 +183,16 @@ def get_registry(app_name: str, base_model: str, sync_interval_s: float):
 
     Detached, so it outlives any one replica (autoscaling may stop the one that
     created it); `scheduling_strategy="DEFAULT"` keeps it out of the caller's
-    placement group. Keyed by app and base model: adapters of another base
-    model are never offered to this one.
+    placement group. On the head node (like Serve's controller): placed next to
+    its first replica, it would keep that node from ever being scaled down.
+    Keyed by app and base model: adapters of another base model are never
+    offered to this one.
     """
     name = registry_name(app_name, base_model)
     return AdapterRegistry.options(
         name=name, namespace=NAMESPACE, get_if_exists=True, lifetime="detached", max_restarts=-1,
-        max_task_retries=0, scheduling_strategy="DEFAULT").remote(app_name, name, sync_interval_s)
+        max_task_retries=0, scheduling_strategy="DEFAULT", resources={HEAD_NODE_RESOURCE: 0.001},
+    ).remote(app_name, name, sync_interval_s)
 
 
 class RegistryClient:

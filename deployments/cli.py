@@ -1,8 +1,9 @@
 """`loraserve serve ...`: start Ray (or join a cluster), deploy the app, serve HTTP until interrupted.
 
 Without --address a private single-node Ray is started on loopback (its own
-temp dir, no dashboard); HTTP binds --host (127.0.0.1 by default). The start
-fails (exit 1) with a message when a replica cannot be placed
+temp dir, no dashboard, a random port); HTTP binds --host (127.0.0.1 by default).
+Once serving, it prints the Ray address a separate script passes to `ray.init`.
+The start fails (exit 1) with a message when a replica cannot be placed
 (deployments/placement.py). SIGTERM or SIGINT stops it at any point, also
 while Ray or Serve is starting, within SHUTDOWN_GRACE_S: a clean stop exits 0.
 """
@@ -102,10 +103,10 @@ def serve_forever(args: argparse.Namespace) -> int:
     temp_dir, serving = None, False
     try:
         if args.address:
-            ray.init(address=args.address)
+            context = ray.init(address=args.address)
         else:
             temp_dir = tempfile.mkdtemp(prefix="lsr-", dir="/tmp")   # short: Ray's socket paths have a length limit
-            init_local_ray(temp_dir, num_cpus=args.num_cpus or os.cpu_count() or 2)
+            context = init_local_ray(temp_dir, num_cpus=args.num_cpus or os.cpu_count() or 2)
         _raise_on_stop_signals()
         from deployments.app import build_app
         from deployments.placement import DeployError, PlacementError, wait_until_running
@@ -121,6 +122,7 @@ def serve_forever(args: argparse.Namespace) -> int:
             return 1
         base = f"http://{args.host}:{args.port}"
         print(f"loraserve: serving {config.base_model_name!r} at {base}/v1 (models: {base}/v1/models)", flush=True)
+        print(ray_address_hint(context.address_info["gcs_address"], args.name), flush=True)
         serving = True
         while True:
             time.sleep(3600)   # until a signal raises KeyboardInterrupt
@@ -165,6 +167,13 @@ def _raise_on_stop_signals() -> None:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+
+
+def ray_address_hint(address: str, app_name: str) -> str:
+    """How a separate Python script joins this Ray (the local one listens on a random loopback port)."""
+    return (f"loraserve: Ray at {address}; from a script: ray.init(address=\"{address}\"), then "
+            f"serve.get_deployment_handle(\"LLMServer\", app_name=\"{app_name}\") "
+            f"(run it with RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 when the address is 127.0.0.1)")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 
 from lora.adapter import check_adapter_name
 from workers.config import EngineConfig
-from workers.device import PLATFORMS
+from workers.device import PLATFORMS, check_device_resource
 
 DEMO_MODEL = "demo"                 # the embedded default: a tiny deterministic model built locally
 ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
@@ -32,6 +32,9 @@ class LLMConfig(BaseModel):
     # engine
     device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
     tensor_parallel_size: int = Field(1, ge=1)
+    # The Ray resource each TP rank (or a TP=1 replica) reserves one of; default the device's (CPU / GPU /
+    # NPU). With device: cpu it places CPU-computing workers on nodes that advertise it, e.g. "NPU".
+    device_resource: str | None = Field(None, min_length=1)
     dtype: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = Field(64, ge=1)
@@ -98,6 +101,7 @@ class LLMConfig(BaseModel):
     def model_post_init(self, _context) -> None:
         if self.num_replicas is not None and self.autoscaling_config is not None:
             raise ValueError("set num_replicas or autoscaling_config, not both")
+        check_device_resource(self.device, self.device_resource)
         EngineConfig(**self._engine_args())   # fail here, at the edge, on a bad engine setting
         if self.base_model_name in self.adapters:
             raise ValueError(f"adapter name {self.base_model_name!r} is the served base model's name; choose another")
@@ -117,7 +121,8 @@ class LLMConfig(BaseModel):
         return self.model.rstrip("/").split("/")[-1] if self.model.startswith(("/", ".", "~")) else self.model
 
     def _engine_args(self) -> dict[str, Any]:
-        args = dict(model=self.model, device=self.device, tensor_parallel_size=self.tensor_parallel_size,
+        args = dict(model=self.model, device=self.device, device_resource=self.device_resource,
+                    tensor_parallel_size=self.tensor_parallel_size,
                     dtype=self.dtype, max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
                     max_loras_per_batch=self.max_loras_per_batch, max_loaded_loras=self.max_loaded_loras,
                     max_lora_rank=self.max_lora_rank, adapter_roots=tuple(self.adapter_roots),
@@ -137,7 +142,7 @@ class LLMConfig(BaseModel):
 
     def placement_group_bundles(self) -> list[dict[str, float]]:
         """Bundle 0 is the replica; then one device bundle per TP rank (the worker group takes the last ones)."""
-        resource = PLATFORMS[self.device].ray_resource if self.device != "auto" else "CPU"
+        resource = self.device_resource or (PLATFORMS[self.device].ray_resource if self.device != "auto" else "CPU")
         replica = {"CPU": self.replica_cpus}
         if self.in_process():
             if resource != "CPU":

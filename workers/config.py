@@ -21,6 +21,7 @@ class EngineConfig:
     device: str = "auto"                        # auto | cpu | cuda | npu
     tensor_parallel_size: int = 1
     distributed_executor: str = "auto"          # auto (in-process when TP=1) | inproc | ray
+    device_resource: str | None = None          # Ray resource a worker reserves one of; default the device's
     seed: int = 0
     # scheduling
     max_num_seqs: int = 64
@@ -63,6 +64,8 @@ class EngineConfig:
         need(self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1")
         need(self.distributed_executor in ("auto", "inproc", "ray"),
              "distributed_executor must be auto, inproc or ray")
+        need(self.device_resource is None or (isinstance(self.device_resource, str) and self.device_resource != ""),
+             f"device_resource must be a Ray resource name or None, got {self.device_resource!r}")
         need(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
         need(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2")
         need(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= self.max_num_seqs,

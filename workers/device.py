@@ -1,6 +1,7 @@
 """Platforms: cpu / cuda / npu. `torch_npu` is imported only on the npu platform."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from dataclasses import dataclass
 
@@ -11,7 +12,7 @@ import torch
 class Platform:
     name: str                    # "cpu" | "cuda" | "npu"
     dist_backend: str            # torch.distributed backend
-    ray_resource: str            # Ray resource one worker asks for
+    ray_resource: str            # Ray resource one worker asks for (EngineConfig.device_resource may rename it)
     visible_devices_env: str | None
     default_lora_backend: str
     supports_graphs: bool
@@ -62,14 +63,30 @@ def _npu_available() -> bool:
     return torch.npu.is_available()
 
 
-def get_platform(device: str = "auto") -> Platform:
-    """The platform for `device` ("auto" picks npu, then cuda, then cpu)."""
+def check_device_resource(device: str, device_resource: str | None) -> None:
+    """Only a cpu worker may reserve another Ray resource than its device's: Ray hands out GPUs and NPUs
+    (CUDA_ / ASCEND_RT_VISIBLE_DEVICES) through exactly their own resource."""
+    if device_resource is None or device not in PLATFORMS:
+        return
+    own = PLATFORMS[device].ray_resource
+    if device != "cpu" and device_resource != own:
+        raise ValueError(f"device_resource={device_resource!r} with device={device!r}: a {device} worker must "
+                         f"reserve {own!r} (Ray assigns {device} devices through it); a different resource is for "
+                         "device='cpu' workers placed on nodes that advertise it")
+
+
+def get_platform(device: str = "auto", device_resource: str | None = None) -> Platform:
+    """The platform for `device` ("auto" picks npu, then cuda, then cpu), reserving `device_resource` if given."""
     if device == "auto":
         device = "npu" if _npu_available() else "cuda" if torch.cuda.is_available() else "cpu"
     if device not in PLATFORMS:
         raise ValueError(f"device must be one of auto, {', '.join(PLATFORMS)}; got {device!r}")
+    check_device_resource(device, device_resource)
     if device == "npu":
         import torch_npu  # noqa: F401
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' but torch.cuda.is_available() is False")
-    return PLATFORMS[device]
+    platform = PLATFORMS[device]
+    if device_resource and device_resource != platform.ray_resource:
+        platform = dataclasses.replace(platform, ray_resource=device_resource)
+    return platform

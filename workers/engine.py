@@ -33,7 +33,7 @@ Prompt = str | list[int]
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.platform = get_platform(config.device)
+        self.platform = get_platform(config.device, config.device_resource)
         path = resolve_model_path(config.model)
         hf_config = AutoConfig.from_pretrained(path)
         self.tokenizer = AutoTokenizer.from_pretrained(path)

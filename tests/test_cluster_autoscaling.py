@@ -1,0 +1,221 @@
+"""Cluster autoscaling end to end, on one machine (issue 14): Ray's autoscaler adds and removes fake NPU nodes.
+
+Ray's fake multi-node provider (tests/ray_clusters.py) runs a head with CPUs
+only and a node type with 2 fake NPUs (min 0, max 2). The application reserves NPU
+bundles (`device_resource: NPU`) while its TP=2 workers compute on the CPU
+(`device: cpu`): one replica = one STRICT_PACK group {CPU: 1} + 2 x {NPU: 1}, which
+fits only on an NPU node. Deploying starts the first node; a burst makes Serve add a
+replica, which makes the autoscaler start a second node; the replica autoscaling
+removed after the burst frees its node, which the autoscaler terminates once idle.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import shutil
+import tempfile
+import threading
+import time
+
+import pytest
+import requests
+
+from factories import PROMPTS, make_adapter
+from ray_clusters import (FAKE_NPU_NODE, LoopbackAutoscalingCluster, listening_addresses, processes_of,
+                          scenario_app_args)
+from serve_fixtures import wait_until
+from workers.ray_utils import free_port
+
+pytestmark = pytest.mark.filterwarnings("ignore:The `metrics_interval_s` field:DeprecationWarning")
+
+APP, BASE, ADAPTER = "scale", "tiny", "hot"
+REPLICA_HEADER = "x-loraserve-replica"
+IDLE_TIMEOUT_S = 6                      # the autoscaler's idle_timeout_minutes, short for a test
+TP = 2
+SAMPLING = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+# More clients than one replica admits (max_ongoing_requests: 2): Serve routes an adapter to the replicas holding
+# it while they have room, so only the overflow reaches the new replica (which loads it from the registry).
+BURST_WORKERS, BURST_MAX_REQUESTS, BURST_MAX_S = 3, 2000, 150   # bounded in count and in time
+SCALE_TIMEOUT_S = 150
+
+
+def npu_nodes() -> list[str]:
+    import ray
+    return sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("NPU"))
+
+
+def replica_placement() -> dict[str, dict]:
+    """Per live LLMServer replica (by Serve's replica id): its node and the nodes of its TP ranks.
+
+    From the GCS actor table (the state API would need the dashboard, left off here): a rank
+    belongs to the replica that created it, its owner.
+    """
+    from ray._private.state import actors
+
+    alive = [a for a in actors().values() if a["State"] == "ALIVE"]
+    replicas = {a["Name"].rsplit("#", 1)[-1]: a for a in alive
+                if a["ActorClassName"] == f"ServeReplica:{APP}:LLMServer"}
+    ranks = [a for a in alive if a["ActorClassName"] == "RayWorker"]
+    placement = {}
+    for replica_id, replica in replicas.items():
+        address = replica["Address"]
+        owned = [r for r in ranks if (r["OwnerAddress"]["NodeID"], r["OwnerAddress"]["Port"]) ==
+                 (address["NodeID"], address["Port"])]
+        placement[replica_id] = {"node": address["NodeID"], "rank_nodes": [r["Address"]["NodeID"] for r in owned]}
+    return placement
+
+
+def assert_tp_groups_on_their_replicas_node(placement: dict[str, dict]) -> None:
+    """STRICT_PACK: every rank on its replica's node; every replica's group on one node."""
+    from ray.util.placement_group import placement_group_table
+
+    for replica_id, where in placement.items():
+        assert where["rank_nodes"] == [where["node"]] * TP, (replica_id, where)
+    groups = [g for g in placement_group_table().values() if g["state"] == "CREATED"]
+    assert len(groups) == len(placement), groups
+    for group in groups:
+        assert group["strategy"] == "STRICT_PACK"
+        assert list(group["bundles"].values()) == [{"CPU": 1.0}] + [{"NPU": 1.0}] * TP
+        assert len(set(group["bundles_to_node_id"].values())) == 1, group
+
+
+def is_worker(pid: int) -> bool:
+    """A Ray worker process (task / actor / Serve replica), as opposed to the cluster's own daemons."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"default_worker.py" in f.read()
+    except OSError:
+        return True
+
+
+def running_replicas() -> dict[str, int]:
+    from ray import serve
+    return dict(serve.status().applications[APP].deployments["LLMServer"].replica_states)
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir, tmp_path_factory):
+    """The autoscaling cluster, Serve on its head, and the app deployed (which started the first NPU node)."""
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+
+    model = model_dir("qwen3")
+    hot = make_adapter(model, tmp_path_factory.mktemp("autoscale") / ADAPTER, r=8, seed=5)
+    temp_dir = tempfile.mkdtemp(prefix="lsas-", dir="/tmp")   # short: Ray's socket paths have a length limit
+    fake = LoopbackAutoscalingCluster({"CPU": 1}, {"npu-node": FAKE_NPU_NODE}, temp_dir=temp_dir,
+                                      idle_timeout_minutes=IDLE_TIMEOUT_S / 60)
+    try:
+        fake.start()
+        ray.init(address=fake.address, log_to_driver=False, configure_logging=False)
+        state = {"nodes_before_deploy": npu_nodes(), "hot": str(hot), "temp_dir": temp_dir,
+                 "head_node": next(n["NodeID"] for n in ray.nodes() if "node:__internal_head__" in n["Resources"])}
+        port = free_port()
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+        config = scenario_app_args(str(model), served_model_name=BASE)
+        assert (config["device"], config["device_resource"], config["tensor_parallel_size"]) == ("cpu", "NPU", TP)
+        serve.run(build_app(config), name=APP, route_prefix="/")
+        state["url"] = f"http://127.0.0.1:{port}"
+        state["llm"] = serve.get_deployment_handle("LLMServer", app_name=APP)
+        yield state
+    finally:
+        try:
+            if ray.is_initialized():
+                serve.shutdown()
+        finally:
+            ray.shutdown()
+            fake.shutdown()
+            shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_first_replica_makes_the_autoscaler_start_an_npu_node(cluster):
+    from ray._private.state import actors
+
+    assert cluster["nodes_before_deploy"] == []          # the head has no NPU: nothing could host a replica
+    nodes = npu_nodes()
+    assert len(nodes) == 1, nodes
+    placement = replica_placement()
+    assert [where["node"] for where in placement.values()] == nodes
+    assert_tp_groups_on_their_replicas_node(placement)
+    # the cluster-wide adapter registry lives on the head: next to a replica, it would pin that node forever
+    [registry] = [a for a in actors().values() if a["ActorClassName"] == "AdapterRegistry" and a["State"] == "ALIVE"]
+    assert registry["Address"]["NodeID"] == cluster["head_node"]
+    # the fake provider's nodes are raylets of this machine: like the head, they listen on loopback only
+    system = [pid for pid in processes_of(cluster["temp_dir"]) if not is_worker(pid)]
+    addresses = listening_addresses(system)
+    assert addresses and all(a.startswith(("127.0.0.1:", "[::ffff:127.0.0.1]:")) for a in addresses), addresses
+
+
+def test_burst_adds_a_node_whose_replica_serves_the_hot_loaded_adapter(cluster):
+    llm, url = cluster["llm"], cluster["url"]
+    # hot-loaded while one replica exists; the replica that autoscaling adds later must serve it too
+    loaded = llm.load_adapter.remote(ADAPTER, cluster["hot"]).result(timeout_s=120)
+    assert loaded["lora_name"] == ADAPTER
+    [first_replica] = replica_placement()
+    reference = {}
+    for prompt in PROMPTS[:4]:
+        out = llm.options(multiplexed_model_id=ADAPTER).generate.remote(prompt, SAMPLING).result(timeout_s=120)
+        assert out.replica_id == first_replica and len(out.token_ids) == SAMPLING["max_tokens"]
+        reference[prompt] = out.text
+
+    stop, sent, lock, results = threading.Event(), iter(range(BURST_MAX_REQUESTS)), threading.Lock(), []
+
+    def client():
+        deadline = time.monotonic() + BURST_MAX_S
+        while not stop.is_set() and time.monotonic() < deadline:
+            with lock:
+                i = next(sent, None)
+            if i is None:
+                return
+            prompt = PROMPTS[i % len(reference)]
+            response = requests.post(f"{url}/v1/completions", json={"model": ADAPTER, "prompt": prompt, **SAMPLING},
+                                     timeout=120)
+            text = response.json()["choices"][0]["text"] if response.status_code == 200 else response.text[:300]
+            with lock:
+                results.append((response.status_code, response.headers.get(REPLICA_HEADER), prompt, text))
+
+    with concurrent.futures.ThreadPoolExecutor(BURST_WORKERS) as pool:
+        futures = [pool.submit(client) for _ in range(BURST_WORKERS)]
+        try:
+            # the load stays on until the new replica, on its new node, has answered part of the burst
+            wait_until(lambda: len({r[1] for r in results if r[0] == 200}) >= 2, BURST_MAX_S,
+                       "a second replica to serve part of the burst", interval=0.5)
+            placement = replica_placement()
+            models = requests.get(f"{url}/v1/models", timeout=30).json()
+            metrics = requests.get(f"{url}/metrics", timeout=30).text
+        finally:
+            stop.set()
+            for future in futures:
+                future.result()
+
+    failed = [r for r in results if r[0] != 200]
+    assert results and not failed, failed[:3]
+    assert {r[1] for r in results} == set(placement) and len(placement) == 2
+    wrong = [r for r in results if r[3] != reference[r[2]]]
+    assert not wrong, wrong[:3]                           # both replicas: the first replica's greedy output
+    nodes = npu_nodes()
+    assert len(nodes) == 2 and sorted(where["node"] for where in placement.values()) == nodes
+    assert_tp_groups_on_their_replicas_node(placement)
+    assert ADAPTER in {m["id"] for m in models["data"]}
+    for replica_id in placement:                           # /metrics reaches the replicas of both nodes
+        assert f'replica="{replica_id}"' in metrics
+    cluster["burst_placement"], cluster["reference"] = placement, reference
+
+
+def test_after_the_burst_the_replica_goes_and_its_node_is_terminated(cluster):
+    before = cluster["burst_placement"]
+    wait_until(lambda: running_replicas() == {"RUNNING": 1}, SCALE_TIMEOUT_S, "Serve to remove a replica",
+               interval=1.0)
+    wait_until(lambda: len(npu_nodes()) == 1, SCALE_TIMEOUT_S, "the autoscaler to terminate the idle node",
+               interval=1.0)
+    placement = replica_placement()
+    [(kept, where)] = placement.items()
+    assert kept in before and npu_nodes() == [where["node"]] == [before[kept]["node"]]
+    assert_tp_groups_on_their_replicas_node(placement)
+    response = requests.post(f"{cluster['url']}/v1/completions",
+                             json={"model": ADAPTER, "prompt": PROMPTS[0], **SAMPLING}, timeout=120)
+    assert response.status_code == 200, response.text
+    assert response.headers[REPLICA_HEADER] == kept
+    assert response.json()["choices"][0]["text"] == cluster["reference"][PROMPTS[0]]
+    models = requests.get(f"{cluster['url']}/v1/models", timeout=30).json()
+    assert ADAPTER in {m["id"] for m in models["data"]}
