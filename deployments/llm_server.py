@@ -18,6 +18,7 @@ from typing import Any, AsyncIterator
 from ray import serve
 
 from deployments.adapter_mirror import AdapterMirror
+from deployments.choices import best, child_params, child_request_id, merge
 from deployments.adapter_registry import RegistryClient
 from deployments.config import LLMConfig
 from deployments.errors import quiet_caller_errors
@@ -29,6 +30,7 @@ from lora.sources import is_hub_id
 from workers.async_engine import AsyncLLMEngine
 from workers.config import SamplingParams
 from workers.engine import LLMEngine
+from workers.output import TokenNames
 from workers.sequence import RequestOutput
 
 Prompt = str | list[int]
@@ -40,6 +42,9 @@ class ServedOutput(RequestOutput):
     """A RequestOutput plus where it was served; stream items carry only what is new since the last one."""
     num_prompt_tokens: int = 0
     replica_id: str = ""
+    index: int = 0                                   # which choice of the request (n > 1)
+    prompt_text: str | None = None                   # with echo: the prompt as text
+    token_names: dict[int, tuple[str, list[int]]] | None = None   # token id -> (text, UTF-8 bytes)
 
 
 class LLMServer:
@@ -50,6 +55,7 @@ class LLMServer:
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
         self.engine = AsyncLLMEngine(await asyncio.to_thread(_build_engine, config))   # minutes for a big model
+        self._token_names = TokenNames(self.engine.decode_tokenizer)
         self.metrics = ServerMetrics()
         registry = RegistryClient(context.app_name, config.base_model_name, config.registry_sync_interval_s)
         await registry.call(lambda actor: actor.seed.remote(config.adapters), REGISTRY_START_TIMEOUT_S)
@@ -70,35 +76,82 @@ class LLMServer:
     async def generate(self, prompt: Prompt | None = None, sampling_params: SamplingParams | dict | None = None,
                        *, messages: list[dict] | None = None, request_id: str | None = None) -> ServedOutput:
         """The finished output (cumulative). The adapter is the call's `multiplexed_model_id`."""
-        adapter, prompt, params = await self._start(prompt, sampling_params, messages)
+        [out] = await self.generate_choices(prompt, sampling_params, messages=messages, request_id=request_id)
+        return out
+
+    async def generate_choices(self, prompt: Prompt | None = None,
+                               sampling_params: SamplingParams | dict | None = None, *,
+                               messages: list[dict] | None = None, request_id: str | None = None, n: int = 1,
+                               best_of: int | None = None, echo: bool = False,
+                               names: bool = False) -> list[ServedOutput]:
+        """`n` finished choices (`index` 0..n-1); with best_of, that many are sampled and the n with the highest
+        cumulative logprob returned. `echo`: each carries the prompt's text (`prompt_text`); `names`: the text
+        and bytes of every token it names (`token_names`, for logprobs)."""
+        adapter, prompt_ids, params = await self._start(prompt, sampling_params, messages)
+        count = best_of or n
+        async with asyncio.TaskGroup() as group:   # one failing cancels the others (their requests abort)
+            tasks = [group.create_task(self._collect(adapter, prompt_ids, child_params(params, i),
+                                                     child_request_id(request_id, i, count)))
+                     for i in range(count)]
+        outs = [task.result() for task in tasks]
+        outs = best(outs, n) if count > n else outs
+        for index, out in enumerate(outs):
+            self._describe(out, index, prompt if echo else None, names)
+        return outs
+
+    async def generate_stream(self, prompt: Prompt | None = None,
+                              sampling_params: SamplingParams | dict | None = None, *,
+                              messages: list[dict] | None = None, request_id: str | None = None, n: int = 1,
+                              echo: bool = False, names: bool = False) -> AsyncIterator[ServedOutput]:
+        """Deltas of `n` choices, interleaved (each item's `index` says whose): new tokens, text and logprobs
+        (prompt_token_ids, and with echo prompt_text, on a choice's first item only).
+
+        Text is held back while it may still change: a trailing partial UTF-8
+        character, or a possible start of a stop string.
+        """
+        adapter, prompt_ids, params = await self._start(prompt, sampling_params, messages)
+        streams = [self._deltas(adapter, prompt_ids, child_params(params, i), child_request_id(request_id, i, n),
+                                i, prompt if echo else None, names) for i in range(n)]
+        async with aclosing(merge(streams)) as items:
+            async for item in items:
+                yield item
+
+    async def _collect(self, adapter, prompt_ids: list[int], params: SamplingParams,
+                       request_id: str | None) -> ServedOutput:
         token_ids, logprobs, text, top, prompt_logprobs, last = [], [], [], [], None, None
-        async with aclosing(self._outputs(adapter, prompt, params, request_id)) as outputs:
+        async with aclosing(self._outputs(adapter, prompt_ids, params, request_id)) as outputs:
             async for last in outputs:
                 token_ids += last.token_ids
                 logprobs += last.logprobs
                 text.append(last.text)
                 top += last.top_logprobs or []
                 prompt_logprobs = last.prompt_logprobs if last.prompt_logprobs is not None else prompt_logprobs
-        return self._served(last, prompt, token_ids, "".join(text), logprobs,
+        return self._served(last, prompt_ids, token_ids, "".join(text), logprobs,
                             top if params.top_logprobs else None, prompt_logprobs)
 
-    async def generate_stream(self, prompt: Prompt | None = None,
-                              sampling_params: SamplingParams | dict | None = None, *,
-                              messages: list[dict] | None = None,
-                              request_id: str | None = None) -> AsyncIterator[ServedOutput]:
-        """Deltas: new tokens, text and logprobs per item (prompt_token_ids on the first only).
-
-        Text is held back while it may still change: a trailing partial UTF-8
-        character, or a possible start of a stop string.
-        """
-        adapter, prompt, params = await self._start(prompt, sampling_params, messages)
+    async def _deltas(self, adapter, prompt_ids: list[int], params: SamplingParams, request_id: str | None,
+                      index: int, echo_prompt: Prompt | None, names: bool) -> AsyncIterator[ServedOutput]:
         first = True
-        async with aclosing(self._outputs(adapter, prompt, params, request_id)) as outputs:
+        async with aclosing(self._outputs(adapter, prompt_ids, params, request_id)) as outputs:
             async for out in outputs:
                 if out.token_ids or out.text or out.finished:
-                    yield self._served(out, prompt if first else [], out.token_ids, out.text, out.logprobs,
-                                       out.top_logprobs, out.prompt_logprobs, num_prompt_tokens=len(prompt))
+                    item = self._served(out, prompt_ids if first else [], out.token_ids, out.text, out.logprobs,
+                                        out.top_logprobs, out.prompt_logprobs, num_prompt_tokens=len(prompt_ids))
+                    yield self._describe(item, index, echo_prompt if first else None, names)
                     first = False
+
+    def _describe(self, out: ServedOutput, index: int, echo_prompt: Prompt | None, names: bool) -> ServedOutput:
+        out.index = index
+        if echo_prompt is not None:
+            out.prompt_text = echo_prompt if isinstance(echo_prompt, str) else self.engine.decode_tokenizer.decode(
+                echo_prompt)
+        if names:
+            ids = set(out.token_ids) | {t for alts in out.top_logprobs or [] for t, _ in alts}
+            if echo_prompt is not None:
+                ids |= set(out.prompt_token_ids)
+                ids |= {t for entry in out.prompt_logprobs or [] if entry for t, _ in entry[1]}
+            out.token_names = {t: self._token_names(t) for t in ids}
+        return out
 
     async def _start(self, prompt, sampling_params, messages) -> tuple[str | None, list[int], SamplingParams]:
         adapter = await self._adapter_for_request()   # an unknown adapter is a 404 before anything else
@@ -148,6 +201,26 @@ class LLMServer:
                             out.finish_reason, out.adapter, out.error, num_cached_tokens=out.num_cached_tokens,
                             top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
                             num_prompt_tokens=num_prompt, replica_id=self.replica_id)
+
+    # ---- tokens ---------------------------------------------------------------------------------------
+    async def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None,
+                       add_special_tokens: bool | None = None, add_generation_prompt: bool = True,
+                       return_token_strs: bool = False) -> dict[str, Any]:
+        """vLLM's /tokenize: the prompt's (or the chat template's) token ids, as generation would see them."""
+        if messages is not None:
+            tokens = await self.engine.render_chat(messages, add_generation_prompt, bool(add_special_tokens))
+        else:
+            tokens = await self.engine.encoder.encode(prompt, add_special_tokens is not False)
+        out = {"count": len(tokens), "max_model_len": self.engine.max_model_len, "tokens": tokens}
+        out["token_strs"] = [self._token_names(t)[0] for t in tokens] if return_token_strs else None
+        return out
+
+    async def detokenize(self, tokens: list[int]) -> str:
+        vocab = self.engine.engine.runtime.hf_config.vocab_size
+        bad = [t for t in tokens if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"tokens {bad[:5]} are outside the vocabulary [0, {vocab})")
+        return self.engine.decode_tokenizer.decode(tokens)
 
     # ---- adapters -----------------------------------------------------------------------------------
     async def _adapter_for_request(self) -> str | None:

@@ -22,6 +22,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from deployments import protocol as oai
+from deployments import responses as rs
 from deployments.adapter_registry import RegistryClient, RegistryView
 from deployments.config import LLMConfig
 from deployments.errors import APIError, ModelNotFoundError, error_response, quiet_caller_errors, sse_error
@@ -96,20 +97,32 @@ class OpenAIIngress:
             adapter = self._adapter_of(body.model)
             params = body.sampling_params(COMPLETION_DEFAULT_MAX_TOKENS)
             prompts = body.prompts()
+            options = dict(n=body.n, echo=body.echo, names=body.wants_logprobs)
+            if len(prompts) * (body.best_of or body.n) > oai.MAX_PROMPTS:
+                raise ValueError(f"{len(prompts)} prompts x {body.best_of or body.n} choices is more than "
+                                 f"{oai.MAX_PROMPTS} sequences in one request")
             if body.stream:
                 if len(prompts) > 1:
                     raise ValueError("stream=true takes a single prompt")
                 return await self._stream(self._handle(adapter, stream=True).generate_stream.remote(
-                    prompts[0], params), body, request, chat=False)
-            outputs = await asyncio.gather(*(self._generate(adapter, p, params) for p in prompts))
+                    prompts[0], params, **options), body, request, chat=False)
+            results = await asyncio.gather(*(self._handle(adapter).generate_choices.remote(
+                p, params, best_of=body.best_of, **options) for p in prompts))
         except Exception as exc:  # noqa: BLE001  (every failure becomes an OpenAI error body)
             return self._error(exc, request)
-        choices = [oai.completion_choice(i, out.text, oai.finish_reason(out),
-                                         oai.completion_logprobs(out) if body.wants_logprobs else None)
-                   for i, out in enumerate(outputs)]
-        usage = oai.usage(sum(o.num_prompt_tokens for o in outputs), sum(len(o.token_ids) for o in outputs))
-        return JSONResponse(oai.completion_body(oai.new_id("cmpl"), body.model, choices, usage),
-                            headers={REPLICA_HEADER: outputs[-1].replica_id})
+        choices = []
+        for i, outs in enumerate(results):   # OpenAI numbers the choices prompt after prompt
+            for out in outs:
+                if body.return_tokens_as_token_ids:
+                    rs.name_tokens_by_id(out)
+                text = (out.prompt_text or "") + out.text
+                logprobs = rs.completion_logprobs(out, echo=body.echo) if body.wants_logprobs else None
+                choices.append(rs.completion_choice(i * body.n + out.index, text, rs.finish_reason(out), logprobs))
+        usage = rs.usage(sum(outs[0].num_prompt_tokens for outs in results),
+                         sum(len(o.token_ids) for outs in results for o in outs),
+                         sum(outs[0].num_cached_tokens for outs in results))
+        return JSONResponse(rs.completion_body(rs.new_id("cmpl"), body.model, choices, usage),
+                            headers={REPLICA_HEADER: results[-1][-1].replica_id})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
@@ -117,18 +130,21 @@ class OpenAIIngress:
             body = await self._read(request, oai.ChatCompletionRequest)
             adapter = self._adapter_of(body.model)
             params = body.sampling_params(None)
-            messages = body.chat_messages()
+            options = dict(messages=body.chat_messages(), n=body.n, names=body.wants_logprobs)
             if body.stream:
                 return await self._stream(self._handle(adapter, stream=True).generate_stream.remote(
-                    None, params, messages=messages), body, request, chat=True)
-            out = await self._handle(adapter).generate.remote(None, params, messages=messages)
+                    None, params, **options), body, request, chat=True)
+            outs = await self._handle(adapter).generate_choices.remote(None, params, **options)
         except Exception as exc:  # noqa: BLE001
             return self._error(exc, request)
-        logprobs = oai.chat_logprobs(out) if body.wants_logprobs else None
-        choice = oai.chat_choice(0, out.text, oai.finish_reason(out), logprobs)
-        usage = oai.usage(out.num_prompt_tokens, len(out.token_ids))
-        return JSONResponse(oai.chat_body(oai.new_id("chatcmpl"), body.model, [choice], usage),
-                            headers={REPLICA_HEADER: out.replica_id})
+        for out in outs:
+            if body.return_tokens_as_token_ids:
+                rs.name_tokens_by_id(out)
+        choices = [rs.chat_choice(out.index, out.text, rs.finish_reason(out),
+                                  rs.chat_logprobs(out) if body.wants_logprobs else None) for out in outs]
+        usage = rs.usage(outs[0].num_prompt_tokens, sum(len(o.token_ids) for o in outs), outs[0].num_cached_tokens)
+        return JSONResponse(rs.chat_body(rs.new_id("chatcmpl"), body.model, choices, usage),
+                            headers={REPLICA_HEADER: outs[-1].replica_id})
 
     async def _stream(self, items, body: oai.OpenAIRequest, request: Request, chat: bool) -> Response:
         first = await items.__anext__()   # raises here (-> 4xx) for a request the server refused
@@ -136,35 +152,65 @@ class OpenAIIngress:
                                  headers={REPLICA_HEADER: first.replica_id})
 
     async def _sse(self, first, items, body: oai.OpenAIRequest, request: Request, chat: bool) -> AsyncIterator[str]:
-        request_id = oai.new_id("chatcmpl" if chat else "cmpl")
-        make_body = oai.chat_body if chat else oai.completion_body
-        prompt_tokens, completion_tokens = first.num_prompt_tokens, 0
+        request_id = rs.new_id("chatcmpl" if chat else "cmpl")
+        make_body = rs.chat_body if chat else rs.completion_body
+        prompt_tokens, cached_tokens, completion_tokens = first.num_prompt_tokens, first.num_cached_tokens, 0
+        started, offsets = set(), {}
 
         def event(choices: list[dict], usage: dict | None = None) -> str:
             return f"data: {json.dumps(make_body(request_id, body.model, choices, usage, chunk=True))}\n\n"
 
         try:
-            if chat:
-                yield event([oai.chat_chunk_choice(0, {"role": "assistant", "content": ""}, None)])
             item = first
             while item is not None:
+                i = item.index
+                if body.return_tokens_as_token_ids:
+                    rs.name_tokens_by_id(item)
+                if chat and i not in started:
+                    yield event([rs.chat_chunk_choice(i, {"role": "assistant", "content": ""}, None)])
+                started.add(i)
                 completion_tokens += len(item.token_ids)
-                finish = oai.finish_reason(item)
-                if not (item.text or finish or body.wants_logprobs):
+                finish = rs.finish_reason(item)
+                echo = not chat and item.prompt_text is not None   # a choice's first item, with echo
+                text = (item.prompt_text or "") + item.text
+                if not (text or finish or body.wants_logprobs):
                     pass     # tokens whose text is still held back: nothing to show yet
                 elif chat:
-                    logprobs = oai.chat_logprobs(item) if body.wants_logprobs else None
-                    delta = {"content": item.text} if item.text or not finish else {}
-                    yield event([oai.chat_chunk_choice(0, delta, finish, logprobs)])
+                    logprobs = rs.chat_logprobs(item) if body.wants_logprobs else None
+                    delta = {"content": text} if text or not finish else {}
+                    yield event([rs.chat_chunk_choice(i, delta, finish, logprobs)])
                 else:
-                    logprobs = oai.completion_logprobs(item) if body.wants_logprobs else None
-                    yield event([oai.completion_choice(0, item.text, finish, logprobs)])
+                    logprobs = rs.completion_logprobs(item, echo, offsets.get(i, 0)) if body.wants_logprobs else None
+                    yield event([rs.completion_choice(i, text, finish, logprobs)])
+                offsets[i] = offsets.get(i, 0) + len(text)
                 item = await anext(items, None)
             if body.include_usage:
-                yield event([], oai.usage(prompt_tokens, completion_tokens))
+                yield event([], rs.usage(prompt_tokens, completion_tokens, cached_tokens))
         except Exception as exc:  # noqa: BLE001  (the 200 is sent: report in-band)
             yield sse_error(exc, request_id(request), f"{request.method} {request.url.path[:200]}")
         yield "data: [DONE]\n\n"
+
+    # ---- tokens -------------------------------------------------------------------------------------
+    @app.post("/tokenize")
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's: {count, max_model_len, tokens, token_strs} of a prompt or of chat messages."""
+        try:
+            body = await self._read(request, oai.TokenizeRequest)
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages] if body.messages else None
+            result = await self._handle(self._adapter_of(body.model)).tokenize.remote(
+                body.prompt, messages, body.add_special_tokens, body.add_generation_prompt, body.return_token_strs)
+        except Exception as exc:  # noqa: BLE001
+            return self._error(exc, request)
+        return JSONResponse(result)
+
+    @app.post("/detokenize")
+    async def detokenize(self, request: Request) -> Response:
+        try:
+            body = await self._read(request, oai.DetokenizeRequest)
+            prompt = await self._handle(self._adapter_of(body.model)).detokenize.remote(body.tokens)
+        except Exception as exc:  # noqa: BLE001
+            return self._error(exc, request)
+        return JSONResponse({"prompt": prompt})
 
     # ---- models and adapters ------------------------------------------------------------------------
     @app.get("/v1/models")
@@ -174,11 +220,20 @@ class OpenAIIngress:
         except APIError as exc:
             return self._error(exc, request)
         sources = await self.registry.adapters()
-        data = [{"id": self.base_model, "object": "model", "owned_by": "loraserve", "parent": None}]
-        # no "root": an adapter's source is a path on the server's disk
-        data += [{"id": name, "object": "model", "owned_by": "loraserve", "parent": self.base_model}
-                 for name in sorted(sources)]
+        data = [rs.model_card(self.base_model, None)] + [rs.model_card(name, self.base_model)
+                                                         for name in sorted(sources)]
         return JSONResponse({"object": "list", "data": data})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str, request: Request) -> Response:
+        try:
+            check_api_key(request, self.api_key)
+            name = self._adapter_of(model_id)
+            if name is not None and name not in await self.registry.adapters():
+                raise ModelNotFoundError(f"model {model_id[:200]!r} does not exist (GET /v1/models)")
+        except Exception as exc:  # noqa: BLE001
+            return self._error(exc, request)
+        return JSONResponse(rs.model_card(model_id, None if name is None else self.base_model))
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(self, request: Request) -> Response:

@@ -3,41 +3,40 @@
 Strict and honest: a field is either implemented, harmless (`HARMLESS`: accepted and
 ignored, it changes nothing in the answer), or accepted only at the value that means
 "off" (`UNSUPPORTED_UNLESS`), so a request is never silently served differently from
-what it asked for (`n=2` is a 400, not one choice). Any other field is a 400 naming it.
+what it asked for (`suffix: "x"` is a 400, not a completion without it). Any other field is a 400 naming it.
 Types are strict: `"4"` is not 4 and `true` is not a token id.
 """
 from __future__ import annotations
 
 import json
-import time
-import uuid
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
-
-from workers.sequence import RequestOutput
 
 # accepted and ignored: they label or route a request on OpenAI's side and change nothing in the answer
 HARMLESS = frozenset({"user", "metadata", "safety_identifier", "prompt_cache_key", "service_tier",
                       "parallel_tool_calls"})
 # field -> the values that mean "off" (anything else asks for something this server does not do)
 UNSUPPORTED_UNLESS = {
-    "n": (1,), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""), "tools": (None, []),
+    "suffix": (None, ""), "tools": (None, []),
     "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}), "top_logprobs": (None, 0), "store": (None, False),
+    "response_format": (None, {"type": "text"}), "store": (None, False),
+    "top_logprobs": (None, 0),           # completions: its logprobs=N says it (chat has the field itself)
     "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,), "reasoning_effort": (None,),
     "verbosity": (None,), "web_search_options": (None,),
     # vLLM extensions
     "length_penalty": (None, 1),
     "use_beam_search": (None, False), "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,),
     "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
-    "include_stop_str_in_output": (None, False), "return_tokens_as_token_ids": (None, True),
+    "include_stop_str_in_output": (None, False),
     "add_generation_prompt": (None, True), "continue_final_message": (None, False), "chat_template": (None,),
     "chat_template_kwargs": (None, {}), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
     "guided_grammar": (None,), "structured_outputs": (None,), "priority": (None, 0), "request_id": (None,),
 }
 MAX_PROMPTS = 256                          # prompts of one /v1/completions request (each is a handle call)
+MAX_CHOICES = 16                           # n, best_of: each choice is a sequence of its own
+MAX_LOGPROBS = 20                          # alternatives per token (OpenAI's top_logprobs bound)
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)   # what torch.Generator.manual_seed takes
 
 
@@ -108,6 +107,8 @@ class OpenAIRequest(StrictModel):
     ignore_eos: bool = False             # vLLM extension
     stream: bool = False
     stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=MAX_CHOICES)  # choices; they share the prompt's KV blocks (prefix cache)
+    return_tokens_as_token_ids: bool = False   # vLLM extension: logprobs name tokens "token_id:<id>"
     # logits processors (ranges checked by workers.SamplingParams: a ValueError, so a 400)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -123,7 +124,11 @@ class OpenAIRequest(StrictModel):
                     stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
                     presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                     repetition_penalty=self.repetition_penalty, min_p=self.min_p, min_tokens=self.min_tokens,
-                    logit_bias=self._token_bias())
+                    logit_bias=self._token_bias(), top_logprobs=self.num_top_logprobs)
+
+    @property
+    def num_top_logprobs(self) -> int:
+        return 0
 
     def _token_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
@@ -140,11 +145,31 @@ class OpenAIRequest(StrictModel):
 
 class CompletionRequest(OpenAIRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0, le=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)   # the sampled token's, and this many alternatives
+    echo: bool = False                   # the prompt before the completion (with its logprobs if asked)
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)     # sample this many, return the n likeliest
+
+    @model_validator(mode="after")
+    def _choices(self):
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) must be >= n ({self.n})")
+        if self.stream and self.best_of is not None and self.best_of > self.n:
+            raise ValueError("best_of > n cannot be streamed (the best ones are known only at the end)")
+        return self
 
     @property
     def wants_logprobs(self) -> bool:
         return self.logprobs is not None
+
+    @property
+    def num_top_logprobs(self) -> int:
+        return self.logprobs or 0
+
+    def sampling_params(self, default_max_tokens: int | None) -> dict[str, Any]:
+        params = super().sampling_params(default_max_tokens)
+        if self.echo and self.logprobs is not None:
+            params["prompt_logprobs"] = self.logprobs
+        return params
 
     def prompts(self) -> list[str | list[int]]:
         prompt = self.prompt
@@ -181,10 +206,21 @@ class ChatCompletionRequest(OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
 
     @property
     def wants_logprobs(self) -> bool:
         return self.logprobs
+
+    @property
+    def num_top_logprobs(self) -> int:
+        return self.top_logprobs or 0
 
     def chat_messages(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
@@ -206,59 +242,22 @@ class UnloadLoRAAdapterRequest(StrictModel):
     lora_name: str = Field(min_length=1, max_length=1024)
 
 
-# ---- responses ---------------------------------------------------------------------------------------
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+class TokenizeRequest(StrictModel):
+    """vLLM's /tokenize: a prompt, or chat messages through the model's chat template."""
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None       # default: true for a prompt, false for messages (vLLM's)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
 
 
-def finish_reason(output: RequestOutput) -> str | None:
-    """OpenAI knows stop / length; an aborted request stopped."""
-    return None if output.finish_reason is None else ("length" if output.finish_reason == "length" else "stop")
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-# Tokens are named by id ("token_id:42", as vLLM's return_tokens_as_token_ids): exact, and the
-# ingress needs no tokenizer.
-def completion_logprobs(output: RequestOutput) -> dict[str, Any]:
-    return {"tokens": [f"token_id:{t}" for t in output.token_ids], "token_logprobs": list(output.logprobs),
-            "top_logprobs": None, "text_offset": None}
-
-
-def chat_logprobs(output: RequestOutput) -> dict[str, Any]:
-    return {"content": [{"token": f"token_id:{t}", "logprob": lp, "bytes": None, "top_logprobs": []}
-                        for t, lp in zip(output.token_ids, output.logprobs)]}
-
-
-def completion_body(request_id: str, model: str, choices: list[dict], usage_: dict | None,
-                    chunk: bool = False) -> dict[str, Any]:
-    body = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": choices}
-    if usage_ is not None or not chunk:
-        body["usage"] = usage_
-    return body
-
-
-def completion_choice(index: int, text: str, finish: str | None, logprobs: dict | None = None) -> dict:
-    return {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
-
-
-def chat_body(request_id: str, model: str, choices: list[dict], usage_: dict | None,
-              chunk: bool = False) -> dict[str, Any]:
-    body = {"id": request_id, "object": "chat.completion.chunk" if chunk else "chat.completion",
-            "created": int(time.time()), "model": model, "choices": choices}
-    if usage_ is not None or not chunk:
-        body["usage"] = usage_
-    return body
-
-
-def chat_choice(index: int, text: str, finish: str | None, logprobs: dict | None = None) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-            "logprobs": logprobs}
-
-
-def chat_chunk_choice(index: int, delta: dict, finish: str | None, logprobs: dict | None = None) -> dict:
-    return {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+class DetokenizeRequest(StrictModel):
+    model: str
+    tokens: list[int] = Field(max_length=1 << 20)

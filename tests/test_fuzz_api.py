@@ -42,14 +42,15 @@ SAMPLING_BAD = {   # values no field of that name accepts (strict types, ranges,
     "logit_bias": [{"x": 1}, {"1": 500}, {"1": "5"}, [], {"999999999": 1}, {str(i): 1 for i in range(301)}],
     "presence_penalty": [3, "0.5", True], "frequency_penalty": [-5, None], "repetition_penalty": [0, 5, "1"],
     "min_p": [2, -1], "min_tokens": [-1, 10 ** 6, 1.5],
-    "n": [2, 0, "1", True], "best_of": [3], "echo": [True], "suffix": ["x"], "tools": [[{}]],
-    "response_format": [{"type": "json_object"}], "top_logprobs": [3], "prompt_logprobs": [1], "guided_json": [{}],
+    "n": [0, 17, "1", True], "best_of": [0, 17, "3"], "echo": ["yes", 1], "suffix": ["x"], "tools": [[{}]],
+    "response_format": [{"type": "json_object"}], "top_logprobs": [21, -1, "3"], "prompt_logprobs": [1],
+    "guided_json": [{}], "return_tokens_as_token_ids": ["yes"],
     "nonexistent_field": [1], "": [1], "x" * 100: [None],
 }
 ROUTE_BAD = {
     "/v1/completions": {"prompt": [None, 5, [], [True], [1.5], [[]], [10 ** 9], {"a": 1}, [[1], ["x"]], "",
                                    ["a"] * 300],
-                        "logprobs": [2, -1, True, "1"]},
+                        "logprobs": [21, -1, True, "1"]},
     "/v1/chat/completions": {
         "messages": [[], None, "hi", [{}], [{"role": "bogus", "content": "x"}], [{"role": "user", "content": 5}],
                      [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],

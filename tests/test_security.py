@@ -217,8 +217,8 @@ def test_request_bodies_over_the_limit_get_413_before_parsing(url):
     ("unknown field", "POST", "/v1/completions", {"json": {"model": BASE, "prompt": "Hi", "best_effort": 1}}, 400,
      "unknown_parameter"),
     ("unsupported field", "POST", "/v1/chat/completions",
-     {"json": {"model": BASE, "messages": [{"role": "user", "content": "Hi"}], "top_logprobs": 3}}, 400,
-     "unsupported_parameter"),
+     {"json": {"model": BASE, "messages": [{"role": "user", "content": "Hi"}],
+               "response_format": {"type": "json_object"}}}, 400, "unsupported_parameter"),
 ])
 def test_every_error_is_an_openai_body_with_a_request_id(url, what, method, path, kwargs, status, code):
     headers = {**AUTH}
@@ -229,7 +229,7 @@ def test_every_error_is_an_openai_body_with_a_request_id(url, what, method, path
     message = openai_error(response, status, code)
     if code in ("unknown_parameter", "unsupported_parameter", "invalid_request") and "json" in kwargs:
         field = {"schema": "prompt", "strict type": "max_tokens", "unknown field": "best_effort",
-                 "unsupported field": "top_logprobs"}[what]
+                 "unsupported field": "response_format"}[what]
         assert field in message, message
     echoed = requests.get(f"{url}/v1/nope", headers={**AUTH, "x-request-id": "client-chosen-id"}, timeout=60)
     assert echoed.headers["x-request-id"] == "client-chosen-id"
@@ -237,7 +237,7 @@ def test_every_error_is_an_openai_body_with_a_request_id(url, what, method, path
 
 def test_logits_processors_reach_the_engine(url):
     body = {"model": BASE, "prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True, "logprobs": 0,
-            "logit_bias": {"7": 100}}
+            "logit_bias": {"7": 100}, "return_tokens_as_token_ids": True}
     response = call(url, "POST", "/v1/completions", body, AUTH)
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["logprobs"]["tokens"] == ["token_id:7"] * 4

@@ -78,7 +78,7 @@ def complete(url: str, model: str, **kw) -> requests.Response:
 def test_openai_client_greedy_equals_engine_generate(url, reference, model, adapter):
     c, prompt, n = client(url), PROMPTS[1], 8
     params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-    extra = {"ignore_eos": True}
+    extra = {"ignore_eos": True, "return_tokens_as_token_ids": True}
 
     expected = reference.generate(prompt, params, [adapter])[0]
     done = c.completions.create(model=model, prompt=prompt, max_tokens=n, temperature=0, logprobs=1, extra_body=extra)
@@ -155,7 +155,7 @@ BAD_REQUESTS = [  # (what, path, json body or raw text, status, a word of the me
      404, "gpt-4"),
     ("malformed JSON", "/v1/completions", '{"model": "tiny", "prompt": ', 400, "JSON"),
     ("missing field", "/v1/completions", {"model": BASE}, 422, "prompt"),
-    ("unsupported n", "/v1/completions", {"model": BASE, "prompt": "Hi", "n": 2}, 400, "n=2"),
+    ("unsupported suffix", "/v1/completions", {"model": BASE, "prompt": "Hi", "suffix": "x"}, 400, "suffix"),
     ("max_tokens beyond context", "/v1/completions", {"model": BASE, "prompt": "Hi", "max_tokens": 4096}, 400,
      "max_model_len"),
     ("streamed, beyond context", "/v1/completions",
@@ -236,7 +236,7 @@ def test_tensor_parallel_replica_runs_its_ranks_in_its_placement_group(url, file
                              adapters={"a": str(files["a"])})), name="tp", route_prefix="/tp")
     try:
         body = {"model": "tp2:a", "prompt": PROMPTS[3], "max_tokens": 8, "temperature": 0.0, "ignore_eos": True,
-                "logprobs": 0}
+                "logprobs": 0, "return_tokens_as_token_ids": True}
         response = requests.post(f"{url}/tp/v1/completions", json=body, timeout=120)
         assert response.status_code == 200, response.text
         expected = reference.generate(PROMPTS[3], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),

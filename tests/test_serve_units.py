@@ -57,8 +57,11 @@ def test_served_model_names():
 
 
 def test_openai_requests_refuse_what_they_cannot_honour():
-    with pytest.raises(ValidationError, match="n=2"):
-        oai.CompletionRequest(model="m", prompt="x", n=2)
+    with pytest.raises(ValidationError, match="n"):
+        oai.CompletionRequest(model="m", prompt="x", n=17)
+    with pytest.raises(ValidationError, match="streamed"):
+        oai.CompletionRequest(model="m", prompt="x", n=2, best_of=3, stream=True)
+    assert oai.CompletionRequest(model="m", prompt="x", n=2, best_of=3).best_of == 3
     with pytest.raises(ValidationError, match="temperature"):
         oai.CompletionRequest.model_validate_json('{"model": "m", "prompt": "x", "temperature": NaN}')
     with pytest.raises(ValidationError, match="best_of"):

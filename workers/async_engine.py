@@ -86,7 +86,7 @@ class AsyncLLMEngine:
         self.engine = engine
         path, max_len = engine.runtime.model_path, engine.runtime.max_model_len
         self.encoder = PromptEncoder(path, max_len)
-        self._decode_tokenizer = load_tokenizer(path)   # used by readers only, for their incremental text
+        self.decode_tokenizer = load_tokenizer(path)   # readers' only (their incremental text, token names)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -106,9 +106,10 @@ class AsyncLLMEngine:
     def max_model_len(self) -> int:
         return self.engine.runtime.max_model_len
 
-    async def render_chat(self, messages: list[dict]) -> list[int]:
+    async def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                          add_special_tokens: bool = False) -> list[int]:
         """The chat template's prompt as token ids (tokenized on the tokenizer thread)."""
-        return await self.encoder.render_chat(messages)
+        return await self.encoder.render_chat(messages, add_generation_prompt, add_special_tokens)
 
     # ---- caller side (any event loop) ---------------------------------------------------------------
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, adapter: str | None = None,
@@ -121,7 +122,7 @@ class AsyncLLMEngine:
             if not prompt:
                 raise ValueError("prompt is empty")
             prompt = await self.encoder.encode(prompt)
-        state = RequestState(request_id, list(prompt), params, self._decode_tokenizer, adapter)
+        state = RequestState(request_id, list(prompt), params, self.decode_tokenizer, adapter)
         stream = _Stream(asyncio.get_running_loop())
         with self._streams_lock:
             if request_id in self._streams:

@@ -141,3 +141,48 @@ class RequestState:
                             self.prompt_logprobs if first else None)
         self._sent_prompt, self._sent_tokens, self._sent_text = True, len(self.token_ids), end
         return out
+
+
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's byte-level alphabet (tokenizers' ByteLevel): printable bytes stand for themselves, the rest
+    are shifted past 255; inverted, it gives every byte-level token its exact bytes."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_LEVEL = _byte_level_table()
+
+
+class TokenNames:
+    """A token id's text and exact UTF-8 bytes (OpenAI's logprobs `token` and `bytes`), cached per id.
+
+    Byte-level BPE tokens map to their bytes exactly (a token may hold part of a character: its text then
+    shows U+FFFD, its bytes stay exact); other tokenizers take what decoding the one token gives.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        self.byte_level = type(decoder).__name__ == "ByteLevel"
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        named = self._cache.get(token_id)
+        if named is None:
+            named = self._cache[token_id] = self._name(token_id)
+        return named
+
+    def _name(self, token_id: int) -> tuple[str, list[int]]:
+        token = self.tokenizer.convert_ids_to_tokens(token_id)
+        if self.byte_level and token is not None and all(c in _BYTE_LEVEL for c in token):
+            raw = bytes(_BYTE_LEVEL[c] for c in token)
+        else:
+            raw = self.tokenizer.decode([token_id]).encode("utf-8")
+        return raw.decode("utf-8", errors="replace"), list(raw)

@@ -37,20 +37,21 @@ def check_prompt_chars(num_chars: int, limit: int, max_model_len: int) -> None:
                          f"({max_model_len} tokens) allows")
 
 
-def encode(tokenizer, text: str) -> list[int]:
+def encode(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
     # The tokenizer's __call__ runs the Rust batch encoder, which releases the GIL while it works (the
     # backend's single-text encode holds it: a 4 MiB prompt would stop every other Python thread ~2.5 s).
-    return tokenizer(text).input_ids
+    return tokenizer(text, add_special_tokens=add_special_tokens).input_ids
 
 
-def render_chat(tokenizer, messages: list[dict]) -> list[int]:
-    """The chat template's prompt as token ids (the template writes its own special tokens, so none are added
-    again, as transformers' own apply_chat_template(tokenize=True) does)."""
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                add_special_tokens: bool = False) -> list[int]:
+    """The chat template's prompt as token ids (the template writes its own special tokens, so by default none
+    are added again, as transformers' own apply_chat_template(tokenize=True) does)."""
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     except Exception as exc:  # jinja errors: the messages do not fit the model's template
         raise ValueError(f"chat template failed for these messages: {exc}") from exc
-    return tokenizer(text, add_special_tokens=False).input_ids
+    return tokenizer(text, add_special_tokens=add_special_tokens).input_ids
 
 
 class PromptEncoder:
@@ -62,17 +63,18 @@ class PromptEncoder:
         self._tokenizer = self._executor.submit(load_tokenizer, model_path).result()
         self.max_chars = max_prompt_chars(self._tokenizer, max_model_len)
 
-    async def encode(self, text: str) -> list[int]:
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         check_prompt_chars(len(text), self.max_chars, self.max_model_len)
-        return await self._run(encode, text)
+        return await self._run(encode, text, add_special_tokens)
 
-    async def render_chat(self, messages: list[dict]) -> list[int]:
+    async def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                          add_special_tokens: bool = False) -> list[int]:
         size = sum(len(m.get("content") or "") for m in messages)
         check_prompt_chars(size, self.max_chars, self.max_model_len)
-        return await self._run(render_chat, messages)
+        return await self._run(render_chat, messages, add_generation_prompt, add_special_tokens)
 
-    async def _run(self, fn, arg):
-        return await asyncio.wrap_future(self._executor.submit(fn, self._tokenizer, arg))
+    async def _run(self, fn, *args):
+        return await asyncio.wrap_future(self._executor.submit(fn, self._tokenizer, *args))
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

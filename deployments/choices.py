@@ -1,0 +1,60 @@
+"""Several choices for one prompt (OpenAI's n and best_of), as sequences of their own in one replica.
+
+They share the prompt's KV: admitted in the same step, every choice after the first finds the
+prompt's full blocks already offered to the prefix cache (workers/controller.py). Choice i of a
+seeded request uses seed + i (as vLLM does), so each has its own reproducible stream.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import AsyncIterator
+
+from workers.config import SamplingParams
+
+
+def child_params(params: SamplingParams, index: int) -> SamplingParams:
+    if index == 0 or params.seed is None:
+        return params   # unseeded: the engine draws each request's own seed
+    return dataclasses.replace(params, seed=params.seed + index)
+
+
+def child_request_id(request_id: str | None, index: int, count: int) -> str | None:
+    return request_id if request_id is None or count == 1 else f"{request_id}-{index}"
+
+
+def best(outputs: list, n: int) -> list:
+    """The n choices with the highest cumulative logprob (OpenAI's best_of), in their sampling order on ties."""
+    ranked = sorted(range(len(outputs)), key=lambda i: (-sum(outputs[i].logprobs), i))
+    return [outputs[i] for i in ranked[:n]]
+
+
+async def merge(streams: list[AsyncIterator]) -> AsyncIterator:
+    """Items of every stream as they come. Leaving early (or one stream failing) closes all of them, so each
+    choice's request is aborted in the engine."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(stream: AsyncIterator) -> None:
+        try:
+            async for item in stream:
+                await queue.put(item)
+            await queue.put(done)
+        except BaseException as exc:  # noqa: BLE001  (re-raised in the reader)
+            await queue.put(exc)
+
+    tasks = [asyncio.ensure_future(pump(s)) for s in streams]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:   # a cancelled pump's stream gets the cancellation inside it: its request is aborted
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

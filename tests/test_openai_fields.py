@@ -1,0 +1,187 @@
+"""Acceptance (OpenAI API completeness, over HTTP): n and best_of, logprobs with real token names and
+top alternatives, echo with prompt logprobs, /tokenize, /detokenize, /v1/models/{id}, usage in streams.
+
+Logprobs are checked against plain torch on Hugging Face's fp32 logits (|dlogprob| < 1e-3); the
+official openai client parses every response and stream.
+"""
+from __future__ import annotations
+
+import openai
+import pytest
+import requests
+import torch
+
+from factories import PROMPTS, make_adapter
+from serve_fixtures import local_serve
+
+APP, BASE = "fields", "tiny"
+
+
+@pytest.fixture(scope="module")
+def files(model_dir, tmp_path_factory):
+    model = model_dir("qwen3")
+    return {"model": model, "a": make_adapter(model, tmp_path_factory.mktemp("fields") / "a", r=8, seed=4)}
+
+
+@pytest.fixture(scope="module")
+def url(files):
+    from ray import serve
+
+    from deployments.app import build_app
+
+    with local_serve(num_cpus=2) as base_url:
+        serve.run(build_app(dict(model=str(files["model"]), served_model_name=BASE, adapters={"a": str(files["a"])},
+                                 device="cpu", dtype="float32", max_model_len=256, max_lora_rank=8, num_replicas=1,
+                                 registry_sync_interval_s=0.1)), name=APP, route_prefix="/")
+        yield base_url
+
+
+@pytest.fixture(scope="module")
+def hf(files, hf_model):
+    return hf_model(files["model"])
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def post(url: str, path: str, body: dict) -> dict:
+    response = requests.post(f"{url}{path}", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+@torch.no_grad()
+def raw_logprobs(hf, ids: list[int]) -> torch.Tensor:
+    """[len(ids), vocab]: row i is the distribution of the token after ids[:i + 1]."""
+    model, _ = hf
+    return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+
+
+def prefix_hits(url: str) -> int:
+    from ray import serve
+    stats = serve.get_deployment_handle("LLMServer", app_name=APP).stats.remote().result(timeout_s=60)
+    return stats["engine"]["prefix_cache"]["hit_tokens"]
+
+
+def test_n_choices_are_seeded_reproducible_and_share_the_prompt(url):
+    prompt = " ".join(PROMPTS)   # several KV blocks long: the choices after the first reuse them
+    args = dict(model=BASE, prompt=prompt, max_tokens=8, temperature=1.0, seed=7, n=3)
+    before = prefix_hits(url)
+    first = client(url).completions.create(**args)
+    hits = prefix_hits(url) - before
+    again = client(url).completions.create(**args)
+    texts = [c.text for c in sorted(first.choices, key=lambda c: c.index)]
+    assert [c.index for c in first.choices] == [0, 1, 2] and len(set(texts)) == 3
+    assert texts == [c.text for c in sorted(again.choices, key=lambda c: c.index)]
+    assert hits >= 2 * 16 * 2                               # 2 choices x at least 2 full 16-token blocks
+    assert first.usage.prompt_tokens == again.usage.prompt_tokens and first.usage.completion_tokens == 24
+    stream = client(url).completions.create(**args, stream=True, stream_options={"include_usage": True})
+    streamed, usage = {}, None
+    for chunk in stream:
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+        usage = chunk.usage or usage
+    assert [streamed[i] for i in range(3)] == texts and usage.completion_tokens == 24
+
+
+def test_best_of_returns_the_likeliest_choice(url):
+    args = dict(model=BASE, prompt=PROMPTS[2], max_tokens=6, temperature=1.0, seed=11, logprobs=0)
+    every = client(url).completions.create(**args, n=3).choices
+    [best] = client(url).completions.create(**args, n=1, best_of=3).choices
+    scores = [sum(c.logprobs.token_logprobs) for c in sorted(every, key=lambda c: c.index)]
+    assert best.text == sorted(every, key=lambda c: c.index)[scores.index(max(scores))].text
+
+
+def test_completion_logprobs_and_echo_match_torch(url, hf):
+    _, tokenizer = hf
+    prompt = PROMPTS[3]
+    out = client(url).completions.create(model=BASE, prompt=prompt, max_tokens=6, temperature=0, logprobs=5,
+                                         echo=True, extra_body={"ignore_eos": True})
+    choice, prompt_ids = out.choices[0], tokenizer(prompt).input_ids
+    names = post(url, "/tokenize", {"model": BASE, "prompt": prompt, "return_token_strs": True})["token_strs"]
+    lp, n = choice.logprobs, len(prompt_ids)
+    assert choice.text.startswith(prompt) and len(lp.tokens) == n + 6
+    assert lp.tokens[:n] == names and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    reference = raw_logprobs(hf, prompt_ids)
+    compared = 0
+    for i in range(1, n):                                    # prompt tokens, scored by what precedes them
+        assert abs(lp.token_logprobs[i] - reference[i - 1, prompt_ids[i]].item()) < 1e-3
+        top = reference[i - 1].topk(5)
+        named = [(names_of(tokenizer, t), v) for t, v in zip(top.indices.tolist(), top.values.tolist())]
+        unique = [(name, v) for name, v in named if [x for x, _ in named].count(name) == 1]   # a dict keeps one
+        assert all(abs(lp.top_logprobs[i][name] - v) < 1e-3 for name, v in unique)
+        compared += len(unique)
+    assert compared >= n
+    offsets = [0]
+    for token in lp.tokens[:-1]:
+        offsets.append(offsets[-1] + len(token))
+    assert lp.text_offset == offsets
+
+
+def names_of(tokenizer, token_id: int) -> str:
+    from workers.output import TokenNames
+    return TokenNames(tokenizer)(token_id)[0]
+
+
+def test_chat_logprobs_name_tokens_by_text_and_bytes(url, hf):
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    out = client(url).chat.completions.create(model=f"{BASE}:a", messages=messages, max_tokens=6, temperature=0,
+                                              logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    content = out.choices[0].logprobs.content
+    assert len(content) == 6 and all(len(t.top_logprobs) == 3 for t in content)
+    assert bytes(b for t in content for b in t.bytes).decode("utf-8", errors="replace").startswith(
+        out.choices[0].message.content[:1])
+    for t in content:                                        # the sampled (greedy) token is the likeliest
+        assert t.top_logprobs[0].logprob == pytest.approx(t.logprob, abs=1e-5)
+        assert t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob >= t.top_logprobs[2].logprob
+
+
+def test_sampled_logprobs_match_torch(url, hf):
+    _, tokenizer = hf
+    prompt = PROMPTS[5]
+    out = post(url, "/v1/completions", {"model": BASE, "prompt": prompt, "max_tokens": 6, "temperature": 0,
+                                        "ignore_eos": True, "logprobs": 3, "return_tokens_as_token_ids": True})
+    lp = out["choices"][0]["logprobs"]
+    generated = [int(t.removeprefix("token_id:")) for t in lp["tokens"]]
+    ids = tokenizer(prompt).input_ids
+    reference = raw_logprobs(hf, ids + generated)
+    for i, token in enumerate(generated):
+        row = reference[len(ids) - 1 + i]
+        assert abs(lp["token_logprobs"][i] - row[token].item()) < 1e-3
+        values, top = row.topk(3)
+        got = lp["top_logprobs"][i]
+        assert [int(k.removeprefix("token_id:")) for k in got] == top.tolist()
+        assert max(abs(a - b) for a, b in zip(got.values(), values.tolist())) < 1e-3
+
+
+def test_tokenize_detokenize_and_model_cards(url, hf):
+    _, tokenizer = hf
+    ids = post(url, "/tokenize", {"model": BASE, "prompt": PROMPTS[2]})
+    assert ids["tokens"] == tokenizer(PROMPTS[2]).input_ids and ids["count"] == len(ids["tokens"])
+    assert ids["max_model_len"] == 256 and ids["token_strs"] is None
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = post(url, "/tokenize", {"model": f"{BASE}:a", "messages": messages})["tokens"]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert chat == tokenizer(text, add_special_tokens=False).input_ids
+    assert post(url, "/detokenize", {"model": BASE, "tokens": ids["tokens"]})["prompt"] == PROMPTS[2]
+    bad = requests.post(f"{url}/detokenize", json={"model": BASE, "tokens": [10 ** 9]}, timeout=60)
+    assert bad.status_code == 400 and "vocabulary" in bad.json()["error"]["message"]
+    assert client(url).models.retrieve(BASE).id == BASE
+    card = requests.get(f"{url}/v1/models/a", timeout=60).json()
+    assert (card["id"], card["parent"]) == ("a", BASE)
+    missing = requests.get(f"{url}/v1/models/nope", timeout=60)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_penalties_and_min_tokens_reach_the_sampler_over_http(url):
+    base = dict(model=BASE, prompt=PROMPTS[0], max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    plain = client(url).completions.create(**base).choices[0].text
+    penalized = client(url).completions.create(**base, frequency_penalty=2.0, presence_penalty=1.5).choices[0].text
+    assert penalized != plain
+    stopped = client(url).completions.create(**base, stop=[plain[:1]])
+    assert (stopped.choices[0].text, stopped.choices[0].finish_reason) == ("", "stop")
+    at_least = stopped.usage.completion_tokens + 3        # the stop string counts only after min_tokens
+    floor = client(url).completions.create(**{**base, "extra_body": {"ignore_eos": True, "min_tokens": at_least}},
+                                           stop=[plain[:1]])
+    assert floor.usage.completion_tokens >= at_least
