@@ -89,10 +89,13 @@ class LLMServer:
         and bytes of every token it names (`token_names`, for logprobs)."""
         adapter, prompt_ids, params = await self._start(prompt, sampling_params, messages)
         count = best_of or n
-        async with asyncio.TaskGroup() as group:   # one failing cancels the others (their requests abort)
-            tasks = [group.create_task(self._collect(adapter, prompt_ids, child_params(params, i),
-                                                     child_request_id(request_id, i, count)))
-                     for i in range(count)]
+        try:
+            async with asyncio.TaskGroup() as group:   # one failing cancels the others (their requests abort)
+                tasks = [group.create_task(self._collect(adapter, prompt_ids, child_params(params, i),
+                                                         child_request_id(request_id, i, count)))
+                         for i in range(count)]
+        except BaseExceptionGroup as failed:   # the caller gets the error itself (its 4xx / 5xx class)
+            raise failed.exceptions[0] from None
         outs = [task.result() for task in tasks]
         outs = best(outs, n) if count > n else outs
         for index, out in enumerate(outs):

@@ -152,13 +152,13 @@ class OpenAIIngress:
                                  headers={REPLICA_HEADER: first.replica_id})
 
     async def _sse(self, first, items, body: oai.OpenAIRequest, request: Request, chat: bool) -> AsyncIterator[str]:
-        request_id = rs.new_id("chatcmpl" if chat else "cmpl")
+        response_id = rs.new_id("chatcmpl" if chat else "cmpl")   # not request_id: that names the helper
         make_body = rs.chat_body if chat else rs.completion_body
         prompt_tokens, cached_tokens, completion_tokens = first.num_prompt_tokens, first.num_cached_tokens, 0
         started, offsets = set(), {}
 
         def event(choices: list[dict], usage: dict | None = None) -> str:
-            return f"data: {json.dumps(make_body(request_id, body.model, choices, usage, chunk=True))}\n\n"
+            return f"data: {json.dumps(make_body(response_id, body.model, choices, usage, chunk=True))}\n\n"
 
         try:
             item = first
