@@ -32,12 +32,35 @@ class AdapterRows:
 
 @dataclass(frozen=True)
 class KernelGroups:
-    """Adapters as the CPU kernel (lora/backends/cpu_sgmv.c) reads them, all int64 on the CPU:
-    group g is slot[g] at rank[g] over rows[start[g]:start[g + 1]]."""
-    slot: torch.Tensor
-    rank: torch.Tensor
-    start: torch.Tensor
-    rows: torch.Tensor
+    """Adapters as the CPU kernel (lora/backends/cpu_sgmv.c) reads them: one int64 CPU tensor
+    [slot x G | rank x G | start x (G + 1) | rows], group g is slot[g] at rank[g] over
+    rows[start[g]:start[g + 1]] (one tensor: one pointer and one check a call)."""
+    packed: torch.Tensor
+    num_groups: int
+
+    @classmethod
+    def of(cls, slots: list[int], ranks: list[int], rows: list[list[int]]) -> KernelGroups:
+        starts = [0]
+        for r in rows:
+            starts.append(starts[-1] + len(r))
+        packed = torch.tensor([*slots, *ranks, *starts, *(t for r in rows for t in r)], dtype=torch.int64)
+        return cls(packed, len(slots))
+
+    @property
+    def slot(self) -> torch.Tensor:
+        return self.packed[:self.num_groups]
+
+    @property
+    def rank(self) -> torch.Tensor:
+        return self.packed[self.num_groups:2 * self.num_groups]
+
+    @property
+    def start(self) -> torch.Tensor:
+        return self.packed[2 * self.num_groups:3 * self.num_groups + 1]
+
+    @property
+    def rows(self) -> torch.Tensor:
+        return self.packed[3 * self.num_groups + 1:]
 
 
 @dataclass(frozen=True)
@@ -121,7 +144,7 @@ def plan_step(seg_lens: tuple[int, ...], seg_slots: tuple[int, ...], slot_ranks:
     groups = {slot: AdapterRows(slot, ranks[slot], slice(*runs[slot][0]) if len(runs[slot]) == 1
                                 else rows[starts[i]:starts[i + 1]]) for i, slot in enumerate(order)}
     G = len(few)
-    kernel = KernelGroups(index[:G], index[G:2 * G], index[2 * G:3 * G + 1], rows[:starts[G]]) if few else None
+    kernel = KernelGroups(index[:3 * G + 1 + starts[G]], G) if few else None
     return LoRAPlan(tuple(groups[slot] for slot in present), kernel, tuple(groups[slot] for slot in many if on_cpu))
 
 

@@ -54,19 +54,11 @@ def _groups(token_slots, ranks) -> KernelGroups:
     """One group per adapter present with rank > 0, its tokens in order (what plan_step builds)."""
     slots = [slot for slot in dict.fromkeys(token_slots) if slot >= 0 and ranks[slot] > 0]
     rows = [[t for t, s in enumerate(token_slots) if s == slot] for slot in slots]
-    return _kernel_groups(slots, [ranks[slot] for slot in slots], rows)
-
-
-def _kernel_groups(slots, ranks, rows) -> KernelGroups:
-    as_i64 = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
-    starts = [0]
-    for r in rows:
-        starts.append(starts[-1] + len(r))
-    return KernelGroups(as_i64(slots), as_i64(ranks), as_i64(starts), as_i64([t for r in rows for t in r]))
+    return KernelGroups.of(slots, [ranks[slot] for slot in slots], rows)
 
 
 def sgmv_add(y, x, a, b, offsets, groups: KernelGroups) -> None:
-    torch.ops.loraserve.sgmv_add(y, x, a, b, offsets, groups.slot, groups.rank, groups.start, groups.rows)
+    torch.ops.loraserve.sgmv_add(y, x, a, b, offsets, groups.packed, groups.num_groups)
 
 
 @pytest.mark.parametrize("pattern", TOKEN_PATTERNS)
@@ -135,25 +127,30 @@ def test_a_step_split_between_torch_and_the_kernel_matches_reference(dtype):
 def test_bad_operands_are_refused_before_the_kernel_reads_them():
     ranks, a, b, offsets, token_slots, x, y = _case("mixed", 16, torch.bfloat16)
     groups = _groups(token_slots, ranks)
-    with pytest.raises(ValueError, match="offsets"):
+    with pytest.raises(ValueError, match="does not take these operands"):
         sgmv_add(y, x, a, b, (0, 47, 79, 99), groups)
-    with pytest.raises(ValueError, match="do not fit y"):
+    with pytest.raises(ValueError, match="does not take these operands"):
         sgmv_add(y[:, :90], x, a, b, offsets, groups)
-    with pytest.raises(ValueError, match="LoRA buffers"):
+    with pytest.raises(ValueError, match="does not take these operands"):
         sgmv_add(y, x, a[:, :40], b, offsets, groups)
-    for past in (_kernel_groups([a.shape[0]], [4], [[0]]), _kernel_groups([0], [4], [[x.shape[0]]]),
-                 _kernel_groups([0], [17], [[0]])):   # a slot, a row, a rank past the buffers
+    for past in (KernelGroups.of([a.shape[0]], [4], [[0]]), KernelGroups.of([0], [4], [[x.shape[0]]]),
+                 KernelGroups.of([0], [17], [[0]])):   # a slot, a row, a rank past the buffers
         with pytest.raises(ValueError, match="past the batch, the slots or the rank"):
             sgmv_add(y, x, a, b, offsets, past)
+    with pytest.raises(ValueError, match="past the batch, the slots or the rank"):   # rows past the tensor
+        torch.ops.loraserve.sgmv_add(y, x, a, b, offsets, torch.tensor([0, 8, 0, 5, 0]), 1)
+    with pytest.raises(ValueError, match="cannot hold 5 groups"):
+        torch.ops.loraserve.sgmv_add(y, x, a, b, offsets, torch.tensor([0, 8, 0, 1, 0]), 5)
     with pytest.raises(ValueError, match="past the batch, the slots or the rank"):
         torch.ops.loraserve.bgmv_add(y, x, a, b, offsets, torch.full((x.shape[0],), a.shape[0]))
     with pytest.raises(ValueError, match="one per row"):
         torch.ops.loraserve.bgmv_add(y, x, a, b, offsets, torch.zeros(3, dtype=torch.int64))
+    assert not cpu_sgmv.supports(y.half(), x.half(), a.half(), b)   # no fp16 code: the torch ops'
+    assert not cpu_sgmv.supports(y.float(), x.float(), a, b)        # nor mixed dtypes
     strided_b = tuple(b_s.transpose(1, 2).contiguous().transpose(1, 2) for b_s in b)
-    assert not cpu_sgmv.supports(y, x, a, strided_b)              # not its layout: the torch ops'
-    assert not cpu_sgmv.supports(y.float(), x.float(), a, b)      # nor mixed dtypes
-    with pytest.raises(ValueError, match="does not take these operands"):
-        sgmv_add(y, x, a, strided_b, offsets, groups)
+    for bad in ((y, x, a, strided_b), (y.float(), x.float(), a, b), (y, x[:, ::2], a, b)):
+        with pytest.raises(ValueError, match="does not take these operands"):
+            sgmv_add(*bad, offsets, groups)
 
 
 def test_negative_rows_slots_or_ranks_are_refused():
@@ -161,7 +158,7 @@ def test_negative_rows_slots_or_ranks_are_refused():
     before = y.clone()
     for slots, ranks_, rows in (([0], [8], [[-1]]), ([-1], [8], [[0]]), ([0], [-2], [[0]])):
         with pytest.raises(ValueError, match="past the batch, the slots or the rank"):
-            sgmv_add(y, x, a, b, offsets, _kernel_groups(slots, ranks_, rows))
+            sgmv_add(y, x, a, b, offsets, KernelGroups.of(slots, ranks_, rows))
     assert torch.equal(y, before)
 
 

@@ -13,7 +13,7 @@
  *   y  [T, >= y_offsets[stack-1] + out_dims[stack-1]], row stride y_stride, updated in place:
  *        y[t, y_offsets[s] + o] += sum_j b[s][slot, o, j] * (a[slot, s*R + j] . x[t])
  * Group g (one adapter) owns rows[group_start[g] .. group_start[g+1]) of x and y. The groups are
- * checked against num_rows (of x and y), num_slots and R before anything is read (OUT_OF_RANGE).
+ * checked against num_rows, num_slots, R and num_indices before anything is read (OUT_OF_RANGE).
  * The bgmv entries take one slot per token instead (token_slots[num_rows], -1 = base) and group
  * the tokens themselves, every slot at rank R: the graph phase has no host plan to pass.
  * h is kept in fp32; bf16 y is read, updated in fp32 and rounded to nearest even once.
@@ -34,7 +34,7 @@ typedef struct {                   /* one call's operands; pointers to T (bf16 o
     void *y;
     int64_t y_stride;
     const int64_t *group_slot, *group_rank, *group_start, *rows;
-    int64_t num_rows, num_slots;
+    int64_t num_rows, num_slots, num_indices;   /* rows of x and y, slots, entries of rows[] */
 } sgmv_args;
 
 enum { OUT_OF_MEMORY = 1, OUT_OF_RANGE = 2 };   /* nonzero returns */
@@ -359,7 +359,7 @@ static int check_groups(const sgmv_args *args, int64_t num_groups) {
     for (int64_t g = 0; g < num_groups; g++) {
         const int64_t lo = args->group_start[g], hi = args->group_start[g + 1];
         if (args->group_slot[g] < 0 || args->group_slot[g] >= args->num_slots || args->group_rank[g] < 0
-            || args->group_rank[g] > args->R || lo < 0 || hi < lo)
+            || args->group_rank[g] > args->R || lo < 0 || hi < lo || hi > args->num_indices)
             return OUT_OF_RANGE;
         for (int64_t i = lo; i < hi; i++)
             if (args->rows[i] < 0 || args->rows[i] >= args->num_rows) return OUT_OF_RANGE;
@@ -405,6 +405,7 @@ static int by_token(int (*add)(const sgmv_args *, int64_t), const sgmv_args *arg
         if (token_slots[t] >= 0) rows[next[token_slots[t]]++] = t;
     sgmv_args grouped = *args;
     grouped.group_slot = slot, grouped.group_rank = rank, grouped.group_start = start, grouped.rows = rows;
+    grouped.num_indices = T;
     const int status = add(&grouped, G);
     free(scratch);
     return status;

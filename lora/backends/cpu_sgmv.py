@@ -1,7 +1,7 @@
 """The CPU LoRA kernel (cpu_sgmv.c) as torch ops; built by lora/native.py, called by ctypes.
 
-    loraserve::sgmv_add(y, x, a, b, offsets, group_slot, group_rank, group_start, rows)
-        the step's planned groups (info.plan.kernel): the eager phases;
+    loraserve::sgmv_add(y, x, a, b, offsets, groups, num_groups)
+        the step's planned groups (info.plan.kernel, lora.batch.KernelGroups): the eager phases;
     loraserve::bgmv_add(y, x, a, b, offsets, token_slots)
         one slot per token, grouped inside the kernel: the graph phase.
 Both do y[t, offsets[s]:offsets[s+1]] += x[t] @ a[l, s*R:(s+1)*R].T @ b[s][l].T in the slot
@@ -40,50 +40,60 @@ def available() -> bool:
 
 
 def supports(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: Sequence[torch.Tensor]) -> bool:
-    """Whether the kernel reads these operands: CPU, one dtype it has, dense buffers, unit column strides."""
-    return (x.dtype in _SYMBOLS and y.dtype == x.dtype and a.dtype == x.dtype and x.dim() == 2 and y.dim() == 2
-            and x.stride(1) == 1 and y.stride(1) == 1 and a.is_contiguous() and a.device.type == "cpu"
-            and all(b_s.dtype == x.dtype and b_s.is_contiguous() for b_s in b))
+    """Whether the kernel has code for these dtypes; any other layout than the slot pool's (dense
+    buffers, unit column strides: what the LoRA layers pass) is refused by the ops themselves."""
+    return x.dtype in _SYMBOLS and y.dtype == x.dtype and a.dtype == x.dtype and a.device.type == "cpu"
 
 
 class _Args(ctypes.Structure):
-    """sgmv_args of cpu_sgmv.c, field for field."""
+    """sgmv_args of cpu_sgmv.c, field for field (b, out_dims and y_offsets point into one int64 array)."""
     _fields_ = [("x", ctypes.c_void_p), ("x_stride", ctypes.c_int64), ("in_dim", ctypes.c_int64),
                 ("a", ctypes.c_void_p), ("a_slot_stride", ctypes.c_int64), ("stack", ctypes.c_int64),
-                ("R", ctypes.c_int64), ("b", ctypes.POINTER(ctypes.c_void_p)),
-                ("out_dims", ctypes.POINTER(ctypes.c_int64)), ("y_offsets", ctypes.POINTER(ctypes.c_int64)),
-                ("y", ctypes.c_void_p), ("y_stride", ctypes.c_int64),
+                ("R", ctypes.c_int64), ("b", ctypes.c_void_p), ("out_dims", ctypes.c_void_p),
+                ("y_offsets", ctypes.c_void_p), ("y", ctypes.c_void_p), ("y_stride", ctypes.c_int64),
                 ("group_slot", ctypes.c_void_p), ("group_rank", ctypes.c_void_p), ("group_start", ctypes.c_void_p),
-                ("rows", ctypes.c_void_p), ("num_rows", ctypes.c_int64), ("num_slots", ctypes.c_int64)]
+                ("rows", ctypes.c_void_p), ("num_rows", ctypes.c_int64), ("num_slots", ctypes.c_int64),
+                ("num_indices", ctypes.c_int64)]
 
 
 def _check(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: Sequence[torch.Tensor], offsets: Sequence[int]):
-    """The shapes the kernel indexes by (the fake implementations check them too)."""
-    stack = len(b)
-    R = b[0].shape[2] if stack and b[0].dim() == 3 else 0
-    if not (stack and a.dim() == 3 and R and a.shape[1] == stack * R and x.dim() == 2 and x.shape[1] == a.shape[2]
-            and all(b_s.dim() == 3 and b_s.shape[0] == a.shape[0] and b_s.shape[2] == R for b_s in b)):
-        raise ValueError(f"LoRA buffers a {tuple(a.shape)} / b {[tuple(b_s.shape) for b_s in b]} for x {tuple(x.shape)}")
-    if list(offsets[1:]) != [offsets[s] + b[s].shape[1] for s in range(stack)] or offsets[0] < 0:
-        raise ValueError(f"offsets {list(offsets)} do not fit out dims {[b_s.shape[1] for b_s in b]}")
-    if y.dim() != 2 or y.shape[0] != x.shape[0] or offsets[-1] > y.shape[1]:
-        raise ValueError(f"offsets {list(offsets)} do not fit y {tuple(y.shape)} for x {tuple(x.shape)}")
+    """Everything the kernel indexes by and reads as it does (the fake implementations check it too)."""
+    dtype, stack = x.dtype, len(b)
+    ok = (dtype in _SYMBOLS and y.dtype == dtype and a.dtype == dtype and a.device.type == "cpu" and stack > 0
+          and a.dim() == 3 and x.dim() == 2 and y.dim() == 2 and len(offsets) == stack + 1 and x.stride(1) == 1
+          and y.stride(1) == 1 and a.is_contiguous())
+    if ok:
+        L, rows, in_dim = a.shape
+        R = b[0].shape[-1]
+        ok = rows == stack * R and x.shape[1] == in_dim and y.shape[0] == x.shape[0] and 0 <= offsets[0]
+        for s, b_s in enumerate(b):
+            ok = (ok and b_s.dtype == dtype and b_s.dim() == 3 and b_s.shape[0] == L and b_s.shape[2] == R
+                  and offsets[s + 1] == offsets[s] + b_s.shape[1] and b_s.is_contiguous())
+        ok = ok and offsets[-1] <= y.shape[1]
+    if not ok:
+        raise ValueError("the CPU LoRA kernel does not take these operands: y, x, a, b "
+                         f"{[(tuple(t.shape), t.dtype) for t in (y, x, a, *b)]}, offsets {list(offsets)} (it needs "
+                         "bf16 / fp32 throughout, dense a and b, unit column strides and fitting shapes)")
 
 
-def _call(index: int, y, x, a, b, offsets, groups: Sequence[torch.Tensor], extra) -> None:
-    """Run entry `index` (0: sgmv, 1: bgmv) of the kernel for y's dtype; `extra` is its last argument."""
+def _call(index: int, y, x, a, b, offsets, index_tensor: torch.Tensor, pointers: tuple[int, ...], num_indices: int,
+          extra) -> None:
+    """Run entry `index` (0: sgmv, 1: bgmv) of the kernel for y's dtype; `extra` is its last argument.
+
+    pointers: group_slot, group_rank, group_start and rows, into `index_tensor`."""
     _check(y, x, a, b, offsets)
     lib = _load()
-    if lib is None or not supports(y, x, a, b):
-        raise ValueError("the CPU LoRA kernel does not take these operands (check available() and supports())")
-    if any(t.dtype != torch.int64 or not t.is_contiguous() or t.device.type != "cpu" for t in groups):
-        raise ValueError("LoRA groups / token slots must be contiguous int64 CPU tensors")
+    if lib is None:
+        raise RuntimeError("the CPU LoRA kernel is not available (see lora/native.py's warning)")
+    if index_tensor.dtype != torch.int64 or not index_tensor.is_contiguous() or index_tensor.device.type != "cpu":
+        raise ValueError("LoRA groups / token slots must be a contiguous int64 CPU tensor")
     stack = len(b)
-    arrays = ((ctypes.c_void_p * stack)(*[b_s.data_ptr() for b_s in b]),
-              (ctypes.c_int64 * stack)(*[b_s.shape[1] for b_s in b]), (ctypes.c_int64 * stack)(*offsets[:-1]))
-    pointers = [t.data_ptr() for t in groups] + [0] * (4 - len(groups))
-    args = _Args(x.data_ptr(), x.stride(0), a.shape[2], a.data_ptr(), a.stride(0), stack, b[0].shape[2], *arrays,
-                 y.data_ptr(), y.stride(0), *pointers, x.shape[0], a.shape[0])
+    slices = (ctypes.c_int64 * (3 * stack))(*[b_s.data_ptr() for b_s in b], *[b_s.shape[1] for b_s in b],
+                                            *offsets[:-1])
+    base = ctypes.addressof(slices)
+    args = _Args(x.data_ptr(), x.stride(0), a.shape[2], a.data_ptr(), a.stride(0), stack, b[0].shape[2], base,
+                 base + 8 * stack, base + 16 * stack, y.data_ptr(), y.stride(0), *pointers, x.shape[0], a.shape[0],
+                 num_indices)
     status = getattr(lib, _SYMBOLS[x.dtype][index])(ctypes.addressof(args), extra)
     if status == OUT_OF_MEMORY:
         raise MemoryError("CPU LoRA kernel: out of memory for its scratch buffers")
@@ -91,26 +101,26 @@ def _call(index: int, y, x, a, b, offsets, groups: Sequence[torch.Tensor], extra
         raise ValueError("LoRA groups index past the batch, the slots or the rank")
 
 
-def _sgmv_add(y, x, a, b, offsets, group_slot, group_rank, group_start, rows) -> None:
-    groups = (group_slot, group_rank, group_start, rows)
-    if not (group_start.dim() == 1 and group_slot.shape == group_rank.shape == (group_start.shape[0] - 1,)):
-        raise ValueError("LoRA groups: slot and rank need one entry per group, start one more")
-    _call(0, y, x, a, b, offsets, groups, group_slot.shape[0])
+def _sgmv_add(y, x, a, b, offsets, groups, num_groups: int) -> None:
+    G, n = num_groups, groups.numel()
+    if groups.dim() != 1 or not 0 <= 3 * G + 1 <= n:
+        raise ValueError(f"LoRA groups: {n} entries cannot hold {G} groups' slot, rank and start")
+    ptr = groups.data_ptr()
+    _call(0, y, x, a, b, offsets, groups, (ptr, ptr + 8 * G, ptr + 16 * G, ptr + 8 * (3 * G + 1)), n - 3 * G - 1, G)
 
 
 def _bgmv_add(y, x, a, b, offsets, token_slots) -> None:
     if token_slots.shape != (x.shape[0],):
         raise ValueError(f"token slots {tuple(token_slots.shape)} for x {tuple(x.shape)}: one per row")
-    _call(1, y, x, a, b, offsets, (token_slots,), token_slots.data_ptr())
+    _call(1, y, x, a, b, offsets, token_slots, (0, 0, 0, 0), 0, token_slots.data_ptr())
 
 
 _LIB = torch.library.Library("loraserve", "FRAGMENT")   # workers/cpu_attention.py adds its op too
-_LIB.define("sgmv_add(Tensor(a!) y, Tensor x, Tensor a, Tensor[] b, int[] offsets, Tensor group_slot, "
-            "Tensor group_rank, Tensor group_start, Tensor rows) -> ()")
+_LIB.define("sgmv_add(Tensor(a!) y, Tensor x, Tensor a, Tensor[] b, int[] offsets, Tensor groups, int num_groups) -> ()")
 _LIB.define("bgmv_add(Tensor(a!) y, Tensor x, Tensor a, Tensor[] b, int[] offsets, Tensor token_slots) -> ()")
 _LIB.impl("sgmv_add", _sgmv_add, "CPU")
 _LIB.impl("bgmv_add", _bgmv_add, "CPU")
-torch.library.register_fake("loraserve::sgmv_add", lambda y, x, a, b, offsets, *groups: _check(y, x, a, b, offsets),
+torch.library.register_fake("loraserve::sgmv_add", lambda y, x, a, b, offsets, groups, n: _check(y, x, a, b, offsets),
                             lib=_LIB)
 torch.library.register_fake("loraserve::bgmv_add", lambda y, x, a, b, offsets, slots: _check(y, x, a, b, offsets),
                             lib=_LIB)
@@ -126,7 +136,7 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: Sequence[torc
         torch_native.add_lora_rows(y, x, a[group.slot], [b_s[group.slot] for b_s in b], offsets, group.rows)
     kernel = info.plan.kernel
     if kernel is not None:
-        torch.ops.loraserve.sgmv_add(y, x, a, b, offsets, kernel.slot, kernel.rank, kernel.start, kernel.rows)
+        torch.ops.loraserve.sgmv_add(y, x, a, b, offsets, kernel.packed, kernel.num_groups)
 
 
 def add_lora_by_token(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: Sequence[torch.Tensor],
