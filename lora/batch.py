@@ -151,7 +151,7 @@ def plan_step(seg_lens: tuple[int, ...], seg_slots: tuple[int, ...], slot_ranks:
 def make_batch_info(token_slots: list[int], slot_ranks: list[int], max_rank: int,
                     device: torch.device | str = "cpu", use_graph: bool = False,
                     phase: str | None = None) -> LoRABatchInfo:
-    """Build the batch info from host data (the step plan); one host→device copy per tensor.
+    """Build the batch info from host data (the step plan); one host→device copy for its index tensors.
 
     phase: "prefill" (the default; also right for a step mixing prompts and decodes) or
     "decode" (one token per sequence); use_graph=True is the graph phase.
