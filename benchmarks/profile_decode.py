@@ -26,9 +26,9 @@ def timed_parts(totals: dict):
     """Patch the hot functions to add their wall time to totals[part]; restored on exit."""
     import torch.nn.functional as F
 
+    import lora.ops as lora_ops
     import workers.models.llama as llama
     import workers.runner as runner
-    from lora.backends.torch_native import TorchNativeBackend
 
     def wrap(fn, part):
         def timed(*args, **kwargs):
@@ -40,7 +40,7 @@ def timed_parts(totals: dict):
         return timed
 
     patches = [(F, "linear", "base_linear"), (llama, "paged_attention", "attention"),
-               (TorchNativeBackend, "add_lora", "lora"), (TorchNativeBackend, "add_embedding_lora", "lora"),
+               (lora_ops, "add_lora", "lora"), (lora_ops, "add_embedding_lora", "lora"),
                (runner, "sample", "sampling")]
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     try:

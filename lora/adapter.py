@@ -14,14 +14,13 @@ from typing import Iterable, Sequence
 import torch
 
 from lora.errors import AdapterError, AdapterRankError, AdapterShapeError, AdapterTargetError, AdapterWeightsError
+from lora.modules import GLOBAL_MODULES, LINEAR_MODULES, SUPPORTED_MODULES
 from lora.peft_format import LoraSettings, LoraTensorPair, read_settings, read_tensor_pairs
 from lora.sources import resolve_source
 
-# Per-layer linear modules, in the order the model stacks them (qkv, gate_up).
-LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# Whole-model modules; their weights are stored under layer index -1.
-GLOBAL_MODULES = ("embed_tokens", "lm_head")
-SUPPORTED_MODULES = LINEAR_MODULES + GLOBAL_MODULES
+__all__ = ["GLOBAL_MODULES", "LINEAR_MODULES", "SUPPORTED_MODULES", "LoRAAdapter", "LoRAModelSpec", "LoRAWeights",
+           "check_adapter_name", "load_adapter", "model_spec_from_hf_config"]
+
 # A name is a routing key (`<base>:<adapter>`), a metric label and a log field: no ':', '/', spaces, newlines.
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
@@ -90,9 +89,9 @@ def model_spec_from_hf_config(cfg_dict: dict, modules: Iterable[str] = SUPPORTED
         "down_proj": (intermediate, hidden), "embed_tokens": (vocab, hidden), "lm_head": (hidden, vocab),
     }
     modules = list(modules)
-    unknown = sorted(set(modules) - dims.keys())
+    unknown = sorted(set(modules) - set(SUPPORTED_MODULES))
     if unknown:
-        raise ValueError(f"modules {unknown} are not LoRA targets; expected a subset of {list(dims)}")
+        raise ValueError(f"modules {unknown} are not LoRA targets; expected a subset of {list(SUPPORTED_MODULES)}")
     return LoRAModelSpec(num_layers=cfg_dict["num_hidden_layers"], module_dims={m: dims[m] for m in modules})
 
 

@@ -1,19 +1,74 @@
 """Per-step LoRA metadata handed explicitly to every LoRA layer's forward.
 
 Two views of the same assignment of tokens to slots:
-- segments (runs of consecutive tokens with one slot), host lists for the
-  control-flow path and int64 tensors for the Ascend sgmv kernels;
-- one slot per token as a fixed-size tensor for the graph-safe path (graph
-  replay: shapes never change, nothing is read back to the host).
+- one slot per token (`token_slots`) as a fixed-size tensor: all the graph phase reads
+  (graph replay: shapes never change, nothing is read back to the host);
+- segments (runs of consecutive tokens with one slot) and the step's `plan` (the tokens
+  grouped by adapter), built on the host once per step for the eager phases.
 Slot -1 is the base model: its tokens get exactly zero delta.
 The LoRA scaling is folded into B when an adapter is loaded into a slot (per
 layer and module, so rank_pattern / alpha_pattern stay exact): no scalings here.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
+
+PHASES = ("prefill", "decode", "graph")   # what lora.ops.choose_impl picks by
+# An adapter with this many tokens in the step (a prompt, say) goes to torch's GEMMs on CPU:
+# blocked and multi-threaded, they beat the C kernel there (1024 tokens of one adapter: 2.8
+# against 8.7 ms a layer); with fewer, the kernel wins (32 decode tokens: ~60 against ~130 us).
+GEMM_MIN_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class AdapterRows:
+    """One adapter of the step: its slot, its rank and its token rows (one run: a slice)."""
+    slot: int
+    rank: int
+    rows: slice | torch.Tensor
+
+
+@dataclass(frozen=True)
+class KernelGroups:
+    """Adapters as the CPU kernel (lora/backends/cpu_sgmv.c) reads them: one int64 CPU tensor
+    [slot x G | rank x G | start x (G + 1) | rows], group g is slot[g] at rank[g] over
+    rows[start[g]:start[g + 1]] (one tensor: one pointer and one check a call)."""
+    packed: torch.Tensor
+    num_groups: int
+
+    @classmethod
+    def of(cls, slots: list[int], ranks: list[int], rows: list[list[int]]) -> KernelGroups:
+        starts = [0]
+        for r in rows:
+            starts.append(starts[-1] + len(r))
+        packed = torch.tensor([*slots, *ranks, *starts, *(t for r in rows for t in r)], dtype=torch.int64)
+        return cls(packed, len(slots))
+
+    @property
+    def slot(self) -> torch.Tensor:
+        return self.packed[:self.num_groups]
+
+    @property
+    def rank(self) -> torch.Tensor:
+        return self.packed[self.num_groups:2 * self.num_groups]
+
+    @property
+    def start(self) -> torch.Tensor:
+        return self.packed[2 * self.num_groups:3 * self.num_groups + 1]
+
+    @property
+    def rows(self) -> torch.Tensor:
+        return self.packed[3 * self.num_groups + 1:]
+
+
+@dataclass(frozen=True)
+class LoRAPlan:
+    """A step's tokens grouped by adapter (base tokens and empty slots left out)."""
+    groups: tuple[AdapterRows, ...]        # every adapter present: torch GEMMs per adapter
+    kernel: KernelGroups | None = None     # on CPU: the adapters with < GEMM_MIN_TOKENS tokens ...
+    gemm: tuple[AdapterRows, ...] = ()     # ... and the others, which torch's GEMMs do better
 
 
 @dataclass
@@ -25,9 +80,18 @@ class LoRABatchInfo:
     seg_slots_host: tuple[int, ...]
     slot_ranks_host: tuple[int, ...]   # [num_slots] effective rank, 0 = empty slot
     max_rank: int
-    use_graph: bool = False
-    # Per-step results a backend derives from the host lists once instead of once per layer.
-    memo: dict = field(default_factory=dict, repr=False, compare=False)
+    use_graph: bool = False            # the graph phase: only token_slots may be read
+    phase: str = "prefill"             # prefill | decode (eager) | graph (set by use_graph)
+    plan: LoRAPlan | None = None       # eager phases: built from the host lists if not given
+
+    def __post_init__(self):
+        if self.use_graph or self.phase == "graph":
+            self.use_graph, self.phase = True, "graph"
+        elif self.phase not in PHASES:
+            raise ValueError(f"LoRA phase must be one of {PHASES}, got {self.phase!r}")
+        elif self.plan is None:
+            self.plan = plan_step(self.seg_lens_host, self.seg_slots_host, self.slot_ranks_host, self.max_rank,
+                                  self.token_slots.device)
 
     @property
     def num_tokens(self) -> int:
@@ -35,18 +99,7 @@ class LoRABatchInfo:
 
     @property
     def has_lora(self) -> bool:
-        return any(s >= 0 for s in self.seg_slots_host)
-
-
-def token_runs(seg_lens: tuple[int, ...], seg_slots: tuple[int, ...]) -> dict[int, list[tuple[int, int]]]:
-    """slot -> its runs of token rows [lo, hi), base (-1) and empty segments left out."""
-    spans: dict[int, list[tuple[int, int]]] = {}
-    start = 0
-    for length, slot in zip(seg_lens, seg_slots):
-        if slot >= 0 and length > 0:
-            spans.setdefault(slot, []).append((start, start + length))
-        start += length
-    return spans
+        return self.plan is not None and bool(self.plan.groups)
 
 
 def segments(token_slots: list[int]) -> tuple[list[int], list[int]]:
@@ -62,13 +115,52 @@ def segments(token_slots: list[int]) -> tuple[list[int], list[int]]:
     return lens, slots
 
 
+def plan_step(seg_lens: tuple[int, ...], seg_slots: tuple[int, ...], slot_ranks: tuple[int, ...], max_rank: int,
+              device: torch.device | str = "cpu", gemm_min_tokens: int = GEMM_MIN_TOKENS) -> LoRAPlan:
+    """The step's plan from its segments; on the CPU also split for the C kernel at `gemm_min_tokens`.
+
+    Every index is a view of one tensor built here (one host->device copy a step, not one a group).
+    """
+    runs: dict[int, list[tuple[int, int]]] = {}
+    start = 0
+    for length, slot in zip(seg_lens, seg_slots):
+        if slot >= 0 and length > 0:
+            runs.setdefault(slot, []).append((start, start + length))
+        start += length
+    ranks = {slot: min(slot_ranks[slot] if slot < len(slot_ranks) else max_rank, max_rank) for slot in runs}
+    count = {slot: sum(hi - lo for lo, hi in spans) for slot, spans in runs.items()}
+    present = [slot for slot in runs if ranks[slot] > 0]        # an empty slot adds exactly zero
+    on_cpu = torch.device(device).type == "cpu"
+    few = [slot for slot in present if on_cpu and count[slot] < gemm_min_tokens]
+    many = [slot for slot in present if slot not in few]
+    order = few + many                                          # the kernel's groups: a prefix
+    starts = [0]
+    for slot in order:
+        starts.append(starts[-1] + count[slot])
+    header = [*few, *(ranks[slot] for slot in few), *starts[:len(few) + 1]] if few else []
+    index = torch.tensor(header + [t for slot in order for lo, hi in runs[slot] for t in range(lo, hi)],
+                         dtype=torch.int64, device=device)
+    rows = index[len(header):]
+    groups = {slot: AdapterRows(slot, ranks[slot], slice(*runs[slot][0]) if len(runs[slot]) == 1
+                                else rows[starts[i]:starts[i + 1]]) for i, slot in enumerate(order)}
+    G = len(few)
+    kernel = KernelGroups(index[:3 * G + 1 + starts[G]], G) if few else None
+    return LoRAPlan(tuple(groups[slot] for slot in present), kernel, tuple(groups[slot] for slot in many if on_cpu))
+
+
 def make_batch_info(token_slots: list[int], slot_ranks: list[int], max_rank: int,
-                    device: torch.device | str = "cpu", use_graph: bool = False) -> LoRABatchInfo:
-    """Build the batch info from host data (the step plan); one host→device copy per tensor."""
+                    device: torch.device | str = "cpu", use_graph: bool = False,
+                    phase: str | None = None) -> LoRABatchInfo:
+    """Build the batch info from host data (the step plan); one host→device copy for its index tensors.
+
+    phase: "prefill" (the default; also right for a step mixing prompts and decodes) or
+    "decode" (one token per sequence); use_graph=True is the graph phase.
+    """
     lens, slots = segments(token_slots)
+    T, S = len(token_slots), len(lens)
+    packed = torch.tensor([*token_slots, *lens, *slots], dtype=torch.int64, device=device)   # one copy, three views
     return LoRABatchInfo(
-        token_slots=torch.tensor(token_slots, dtype=torch.int64, device=device),
-        seg_lens=torch.tensor(lens, dtype=torch.int64, device=device),
-        seg_slots=torch.tensor(slots, dtype=torch.int64, device=device),
+        token_slots=packed[:T], seg_lens=packed[T:T + S], seg_slots=packed[T + S:],
         seg_lens_host=tuple(lens), seg_slots_host=tuple(slots),
-        slot_ranks_host=tuple(slot_ranks), max_rank=max_rank, use_graph=use_graph)
+        slot_ranks_host=tuple(slot_ranks), max_rank=max_rank, use_graph=use_graph,
+        phase="graph" if use_graph else phase or "prefill")

@@ -5,17 +5,16 @@ column-parallel layers expose `out_offsets` and `forward(x)`; row-parallel
 ones `partial(x)` and `reduce(y)`, so the delta joins the partial sum before
 the layer's single all-reduce; the LM head exposes `partial` and `gather`.
 Buffers come from the SlotPool and never move, so captured graphs stay valid.
+Which module gets which wrapper is lora/modules.py's table; the maths is lora/ops.py's.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from lora import ops
 from lora.batch import LoRABatchInfo
-
-# (attribute path under each decoder layer, slot-pool group, wrapper kind)
-LAYER_TARGETS = (("self_attn.qkv_proj", "qkv_proj", "column"), ("self_attn.o_proj", "o_proj", "row"),
-                 ("mlp.gate_up_proj", "gate_up_proj", "column"), ("mlp.down_proj", "down_proj", "row"))
+from lora.modules import PACKED_MODULES
 
 
 def _active(lora: LoRABatchInfo | None) -> bool:
@@ -24,7 +23,7 @@ def _active(lora: LoRABatchInfo | None) -> bool:
 
 
 class _LoRALayer(nn.Module):
-    def __init__(self, base: nn.Module, a: torch.Tensor, b: tuple[torch.Tensor, ...], backend):
+    def __init__(self, base: nn.Module, a: torch.Tensor, b: tuple[torch.Tensor, ...], backend: str):
         super().__init__()
         self.base, self.backend = base, backend
         self.lora_a, self.lora_b = a, b
@@ -39,14 +38,14 @@ class _LoRALayer(nn.Module):
 class ColumnParallelLoRA(_LoRALayer):
     """y_local = base(x) + x @ A.T @ B_local.T, per stacked slice (A replicated, B sharded)."""
 
-    def __init__(self, base: nn.Module, a: torch.Tensor, b: tuple[torch.Tensor, ...], backend):
+    def __init__(self, base: nn.Module, a: torch.Tensor, b: tuple[torch.Tensor, ...], backend: str):
         super().__init__(base, a, b, backend)
         self.offsets = tuple(base.out_offsets)   # fixed per layer: computed once, not every step
 
     def forward(self, x: torch.Tensor, lora: LoRABatchInfo | None = None) -> torch.Tensor:
         y = self.base(x)
         if _active(lora):
-            self.backend.add_lora(y, x, self.lora_a, self.lora_b, self.offsets, lora)
+            ops.add_lora(y, x, self.lora_a, self.lora_b, self.offsets, lora, self.backend)
         return y
 
 
@@ -56,7 +55,7 @@ class RowParallelLoRA(_LoRALayer):
     def forward(self, x: torch.Tensor, lora: LoRABatchInfo | None = None) -> torch.Tensor:
         y = self.base.partial(x)
         if _active(lora):
-            self.backend.add_lora(y, x, self.lora_a, self.lora_b, (0, y.shape[-1]), lora)
+            ops.add_lora(y, x, self.lora_a, self.lora_b, (0, y.shape[-1]), lora, self.backend)
         return self.base.reduce(y)
 
 
@@ -66,7 +65,7 @@ class EmbeddingLoRA(_LoRALayer):
     def forward(self, ids: torch.Tensor, lora: LoRABatchInfo | None = None) -> torch.Tensor:
         y = self.base(ids)
         if _active(lora):
-            self.backend.add_embedding_lora(y, ids, self.lora_a, self.lora_b[0], lora)
+            ops.add_embedding_lora(y, ids, self.lora_a, self.lora_b[0], lora, self.backend)
         return y
 
 
@@ -76,21 +75,23 @@ class LMHeadLoRA(_LoRALayer):
     def forward(self, h: torch.Tensor, lora: LoRABatchInfo | None = None) -> torch.Tensor:
         y = self.base.partial(h)
         if _active(lora):
-            self.backend.add_lora(y, h, self.lora_a, self.lora_b, (0, y.shape[-1]), lora)
+            ops.add_lora(y, h, self.lora_a, self.lora_b, (0, y.shape[-1]), lora, self.backend)
         return self.base.gather(y)
 
 
-def wrap_model(model: nn.Module, buffers: dict, backend) -> None:
-    """Replace each targeted layer of `model` by its LoRA wrapper over the slot-pool buffers."""
-    kinds = {"column": ColumnParallelLoRA, "row": RowParallelLoRA}
-    for index, layer in enumerate(model.layers):
-        for path, group, kind in LAYER_TARGETS:
-            if (index, group) in buffers:
-                parent_path, attr = path.split(".")
-                parent = layer.get_submodule(parent_path)
-                a, b = buffers[(index, group)]
-                setattr(parent, attr, kinds[kind](getattr(parent, attr), a, b, backend))
-    if (-1, "embed_tokens") in buffers:
-        model.embed_tokens = EmbeddingLoRA(model.embed_tokens, *buffers[(-1, "embed_tokens")], backend)
-    if (-1, "lm_head") in buffers:
-        model.lm_head = LMHeadLoRA(model.lm_head, *buffers[(-1, "lm_head")], backend)
+def wrap_model(model: nn.Module, buffers: dict, backend: str) -> None:
+    """Replace each targeted module of `model` by its LoRA wrapper over the slot-pool buffers.
+
+    backend: a name of lora.ops.LORA_BACKENDS, passed to every op call.
+    """
+    kinds = {"column": ColumnParallelLoRA, "row": RowParallelLoRA, "embedding": EmbeddingLoRA,
+             "lm_head": LMHeadLoRA}
+    for group in PACKED_MODULES:
+        for index in ([-1] if group.path is None else range(len(model.layers))):
+            if (index, group.name) not in buffers:
+                continue
+            owner = model if group.path is None else model.layers[index]
+            parent_path, _, attr = (group.path or group.name).rpartition(".")
+            parent = owner.get_submodule(parent_path)
+            a, b = buffers[(index, group.name)]
+            setattr(parent, attr, kinds[group.parallel](getattr(parent, attr), a, b, backend))

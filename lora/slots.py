@@ -13,19 +13,9 @@ from typing import Callable, Container, Iterable
 import torch
 
 from lora.adapter import LoRAAdapter, LoRAWeights
+from lora.modules import GROUPS, MODULE_GROUPS
 
-# module -> (group, slice in the group's stacked output)
-MODULE_GROUPS: dict[str, tuple[str, int]] = {
-    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-    "o_proj": ("o_proj", 0),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-    "down_proj": ("down_proj", 0),
-    "embed_tokens": ("embed_tokens", 0),
-    "lm_head": ("lm_head", 0),
-}
-GROUP_STACKS = {"qkv_proj": 3, "o_proj": 1, "gate_up_proj": 2, "down_proj": 1,
-                "embed_tokens": 1, "lm_head": 1}
-GLOBAL_GROUPS = ("embed_tokens", "lm_head")  # one buffer for the model, stored at layer -1
+__all__ = ["GroupShape", "MODULE_GROUPS", "SlotPool", "SlotTable"]
 
 
 class SlotTable:
@@ -120,10 +110,10 @@ class SlotPool:
                  shard: Callable[[str, LoRAWeights], tuple[torch.Tensor, torch.Tensor]] | None = None):
         assert num_slots >= 1 and max_rank >= 1, (num_slots, max_rank)
         for group, shape in groups.items():
-            if group not in GROUP_STACKS:
-                raise ValueError(f"unknown LoRA group {group!r}; known: {sorted(GROUP_STACKS)}")
-            if len(shape.out_dims) != GROUP_STACKS[group]:
-                raise ValueError(f"group {group!r} stacks {GROUP_STACKS[group]} slices, "
+            if group not in GROUPS:
+                raise ValueError(f"unknown LoRA group {group!r}; known: {sorted(GROUPS)}")
+            if len(shape.out_dims) != len(GROUPS[group].modules):
+                raise ValueError(f"group {group!r} stacks {len(GROUPS[group].modules)} slices, "
                                  f"got out_dims {shape.out_dims}")
         self.num_layers, self.groups = num_layers, dict(groups)
         self.num_slots, self.max_rank = num_slots, max_rank
@@ -132,7 +122,7 @@ class SlotPool:
         self.slot_ranks: list[int] = [0] * num_slots
         self.buffers: dict[tuple[int, str], tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = {}
         for group, shape in self.groups.items():
-            for layer in ([-1] if group in GLOBAL_GROUPS else range(num_layers)):
+            for layer in ([-1] if GROUPS[group].path is None else range(num_layers)):
                 self.buffers[(layer, group)] = self._allocate(group, shape)
 
     def _allocate(self, group: str, shape: GroupShape):
@@ -185,7 +175,7 @@ class SlotPool:
         group, s = MODULE_GROUPS[module]
         if group not in self.groups:
             raise ValueError(f"adapter {name!r}: module {module!r} has no LoRA buffer (group {group!r})")
-        valid_layer = layer == -1 if group in GLOBAL_GROUPS else 0 <= layer < self.num_layers
+        valid_layer = layer == -1 if GROUPS[group].path is None else 0 <= layer < self.num_layers
         if not valid_layer:
             raise ValueError(f"adapter {name!r}: module {module!r} at invalid layer {layer}")
         if weights.rank > self.max_rank:

@@ -11,6 +11,7 @@ import itertools
 from dataclasses import dataclass
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 POPULARITY = ("distinct", "uniform", "zipf", "identical", "mixed_ranks", "base_mixed")
 
@@ -115,3 +116,15 @@ def make_lora_case(pattern: str, seq_lens: list[int], out_sizes: tuple[int, ...]
     x = torch.randn(T, in_dim, generator=gen).to(dtype)
     y = torch.randn(T, offsets[-1], generator=gen).to(dtype)
     return LoRACase(x, y, a, b, offsets, token_slots, ranks, max_rank)
+
+
+class OpLog(TorchDispatchMode):
+    """The names of the ops that ran inside (e.g. "loraserve::sgmv_add"): which kernel a call reached."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.name())
+        return func(*args, **(kwargs or {}))

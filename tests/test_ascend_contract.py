@@ -1,77 +1,124 @@
-"""AscendBackend against reference CPU versions of sgl_kernel_npu's sgmv ops.
+"""The Ascend implementations (lora/backends/ascend.py) against a strict CPU emulator of
+sgl_kernel_npu's LoRA kernels, registered as torch.ops.npu.* under the kernels' own schemas.
 
-The reference ops are registered with torch.library under the kernels' own schemas and
-enforce the kernels' conventions: fp16/bf16 x and fp32 y for shrink, fp32 x and fp16/bf16 y
-for expand, int64 indices and segment lengths, and every tensor read as the kernel reads
-device memory: densely, from its storage offset, whatever its strides say. So a backend that
-passes int32 indices, model-dtype activations or a strided weight view fails here.
+The emulator does what the real kernels do, on the host and in device memory (REFERENCE.md):
+- host checks raise (TORCH_CHECK: RuntimeError): fp16/bf16 only (fp32 raises), 2-D x and y,
+  shrink x.size(1) > y.size(1), expand R <= slice_size, 0 <= slice_offset,
+  slice_offset + slice_size <= y.size(1), and T > 0;
+- what is undefined on the device fails here (AssertionError "undefined"): indices or seq_len
+  not int64, a shrink y or an expand x not fp32, a weight of another dtype, copies that are not
+  whole 32-byte blocks (in % 16, slice_size % 16, fp32 shrink rows % 8), R outside
+  {8, 16, 32, 64}, an index past the weights, segments past the tokens;
+- every tensor is read as the kernels read device memory: densely from its data pointer,
+  whatever its strides say (a strided weight or y is read wrongly, not refused);
+- tokens with a negative index, and tokens past the last segment, are left untouched.
+`CONVENTION["now"] = "pr676"` makes sgmv behave as the open upstream change would (int32
+indices and model-dtype buffers, checked), for the start-up probe's test.
 """
 from __future__ import annotations
 
-import sys
+import dataclasses
 from collections import Counter
 
 import pytest
 import torch
 
-from lora.backends.ascend import AscendBackend
-from lora.backends.torch_native import TorchNativeBackend
-from lora.batch import make_batch_info
-from lora_reference import make_lora_case
+from lora import ops
+from lora.backends import ascend
+from lora.batch import LoRABatchInfo, make_batch_info
+from lora_reference import make_embedding_buffers, make_lora_case
+from workers.parallel import ParallelLMHead, TPGroup
 
 HALF = (torch.float16, torch.bfloat16)
 CALLS: Counter[str] = Counter()
-_LIBRARY: list[torch.library.Library] = []  # keeps the registration alive for the session
+CONVENTION = {"now": "2026.9.0"}
+_LIBRARY: list[torch.library.Library] = []  # keeps the registrations alive for the session
 
 
-def _dense(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+def undefined(ok: bool, what: str) -> None:
+    assert ok, f"undefined on the device: {what}"
+
+
+def host_check(ok: bool, what: str) -> None:
+    if not ok:
+        raise RuntimeError(what)
+
+
+def dense(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """`t`'s memory read as a dense array of `shape`, as a kernel given t.data_ptr() reads it."""
     strides = [1] * len(shape)
     for i in range(len(shape) - 2, -1, -1):
         strides[i] = strides[i + 1] * shape[i + 1]
+    undefined(t.storage_offset() + (shape[0] * strides[0] if shape else 0) <= t.untyped_storage().nbytes() // t.itemsize,
+              "a read past the tensor's memory")
     return torch.as_strided(t, shape, strides, t.storage_offset())
 
 
-def _segments(lora_indices: torch.Tensor, seq_len: torch.Tensor, num_tokens: int):
-    assert lora_indices.dtype == torch.int64 and seq_len.dtype == torch.int64, "indices and seq_len must be int64"
-    lens = seq_len.tolist()
-    assert len(lens) == lora_indices.numel() and sum(lens) == num_tokens, (lens, num_tokens)
-    start = 0
-    for length, slot in zip(lens, lora_indices.tolist()):
-        if slot >= 0:
-            yield slice(start, start + length), slot
-        start += length
+def check_index(t: torch.Tensor, what: str) -> None:
+    if CONVENTION["now"] == "pr676":
+        host_check(t.dtype == torch.int32, f"{what} must be int32")
+    undefined(t.dtype == torch.int64 or CONVENTION["now"] == "pr676", f"{what} read as int64, got {t.dtype}")
 
 
-def sgmv_shrink(x, weight, lora_indices, seq_len, y, scale) -> None:
-    CALLS["sgmv_shrink"] += 1
-    assert x.dtype in HALF and weight.dtype == x.dtype, f"x/weight must be fp16/bf16, got {x.dtype}/{weight.dtype}"
-    assert y.dtype == torch.float32, f"sgmv_shrink writes fp32 y, got {y.dtype}"
-    assert x.dim() == 2 and y.dim() == 2 and weight.dim() in (3, 4) and x.size(1) > y.size(1)
-    T, H = x.shape
-    rank = y.size(1)
-    xs, ys = _dense(x, (T, H)), _dense(y, (T, rank))
-    w = _dense(weight, (weight.size(0), rank, H))
-    for rows, slot in _segments(lora_indices, seq_len, T):
-        ys[rows] = scale * (xs[rows].float() @ w[slot].float().T)
+def per_segment(lora_indices, seq_len, T) -> list[int | None]:
+    """Each token's index; None past the last segment (the kernel never reaches those tokens)."""
+    check_index(lora_indices, "lora_indices")
+    check_index(seq_len, "seq_len")
+    lens, slots = seq_len.tolist(), lora_indices.tolist()
+    undefined(len(lens) == len(slots) and min(lens, default=0) >= 0 and sum(lens) <= T, "segments past the tokens")
+    return [slot for slot, n in zip(slots, lens) for _ in range(n)] + [None] * (T - sum(lens))
 
 
-def sgmv_expand(x, weight, lora_indices, seq_len, y, slice_offset, slice_size) -> torch.Tensor:
-    CALLS["sgmv_expand"] += 1
-    assert x.dtype == torch.float32, f"sgmv_expand reads fp32 x, got {x.dtype}"
-    assert y.dtype in HALF and weight.dtype == y.dtype, f"y/weight must be fp16/bf16, got {y.dtype}/{weight.dtype}"
-    assert x.dim() == 2 and y.dim() == 2 and weight.dim() in (3, 4)
-    assert x.size(1) <= slice_size and slice_offset >= 0 and slice_offset + slice_size <= y.size(1)
-    (T, R), full = x.shape, y.size(1)
-    xs, ys = _dense(x, (T, R)), _dense(y, (T, full))
-    w = _dense(weight, (weight.size(0), slice_size, R))  # slot l's block at l * R * slice_size
-    for rows, slot in _segments(lora_indices, seq_len, T):
-        delta = xs[rows] @ w[slot].float().T
-        ys[rows, slice_offset:slice_offset + slice_size] += delta.to(y.dtype)
+def per_token(indices, T) -> list[int]:
+    check_index(indices, "indices")
+    undefined(indices.dim() == 1 and indices.numel() == T, "one index per token")
+    return indices.tolist()
+
+
+def shrink(kind: str, x, weight, slots: list[int | None], y, scale: float) -> None:
+    CALLS[kind + "_shrink"] += 1
+    host_check(x.dtype in HALF, f"x must be fp16/bf16, got {x.dtype}")
+    host_check(x.dim() == 2 and y.dim() == 2 and weight.dim() in (3, 4), "x, y 2-D; weight 3-D or 4-D")
+    host_check(x.size(0) > 0, "num_tokens_per_core != 0")
+    host_check(x.size(1) > y.size(1), "x.size(1) > y.size(1)")
+    if CONVENTION["now"] == "pr676" and kind == "sgmv":
+        host_check(y.dtype == x.dtype, "y must have x's dtype")
+    else:
+        undefined(y.dtype == torch.float32, f"y is written as fp32, got {y.dtype}")
+    undefined(weight.dtype == x.dtype, f"weight read as {x.dtype}, got {weight.dtype}")
+    (T, H), rows, L, rows_w = x.shape, y.size(1), weight.size(0), weight.size(-2)
+    undefined(H % 16 == 0 and rows % 8 == 0, f"copies of whole 32-byte blocks: in {H}, y rows {rows}")
+    undefined(rows <= rows_w, "y rows within the weight's")
+    xs, ws, ys = dense(x, (T, H)), dense(weight, (L, rows_w, H)), dense(y, (T, rows))
+    for t, slot in enumerate(slots):
+        if slot is not None and slot >= 0:
+            undefined(slot < L, f"index {slot} past {L} weights")
+            ys[t] = (scale * (xs[t].float() @ ws[slot, :rows].float().T)).to(y.dtype)
+
+
+def expand(kind: str, x, weight, slots: list[int | None], y, slice_offset: int, slice_size: int) -> torch.Tensor:
+    CALLS[kind + "_expand"] += 1
+    host_check(y.dtype in HALF, f"y must be fp16/bf16, got {y.dtype}")
+    host_check(x.dim() == 2 and y.dim() == 2 and weight.dim() in (3, 4), "x, y 2-D; weight 3-D or 4-D")
+    host_check(x.size(0) > 0, "num_tokens_per_core != 0")
+    (T, R), L = x.shape, weight.size(0)
+    host_check(R <= slice_size and slice_offset >= 0 and slice_offset + slice_size <= y.size(1),
+               "R <= slice_size, 0 <= slice_offset, slice_offset + slice_size <= y.size(1)")
+    undefined(x.dtype == (y.dtype if CONVENTION["now"] == "pr676" and kind == "sgmv" else torch.float32),
+              f"x read as fp32, got {x.dtype}")
+    undefined(weight.dtype == y.dtype, f"weight read as {y.dtype}, got {weight.dtype}")
+    undefined(R in (8, 16, 32, 64), f"a reduction for R = {R}")
+    undefined(slice_size % 16 == 0, f"copies of whole 32-byte blocks: slice_size {slice_size}")
+    xs, ws, ys = dense(x, (T, R)), dense(weight, (L, slice_size, R)), dense(y, (T, y.size(1)))
+    out = ys[:, slice_offset:slice_offset + slice_size]
+    for t, slot in enumerate(slots):
+        if slot is not None and slot >= 0:
+            undefined(slot < L, f"index {slot} past {L} weights")
+            out[t] = (out[t].float() + xs[t].float() @ ws[slot].float().T).to(y.dtype)
     return y
 
 
-def _register_reference_ops() -> None:
+def _register_emulator() -> None:
     if _LIBRARY:  # registered once per session; a torch.library schema cannot be defined twice
         return
     if hasattr(torch.ops.npu, "sgmv_shrink"):
@@ -81,140 +128,290 @@ def _register_reference_ops() -> None:
                "float scale) -> ()")
     lib.define("sgmv_expand(Tensor! x, Tensor! weight, Tensor! lora_indices, Tensor! seq_len, Tensor! y, "
                "int slice_offset, int slice_size) -> Tensor")
-    lib.impl("sgmv_shrink", sgmv_shrink, "CPU")
-    lib.impl("sgmv_expand", sgmv_expand, "CPU")
+    lib.define("bgmv_shrink(Tensor! x, Tensor! weight, Tensor! indices, Tensor! y, float scale) -> ()")
+    lib.define("bgmv_expand(Tensor! x, Tensor! weight, Tensor! indices, Tensor! y, int slice_offset, "
+               "int slice_size) -> Tensor")
+    lib.impl("sgmv_shrink", lambda x, w, li, sl, y, scale: shrink("sgmv", x, w, per_segment(li, sl, x.size(0)), y,
+                                                                  scale), "CPU")
+    lib.impl("sgmv_expand", lambda x, w, li, sl, y, off, size: expand("sgmv", x, w, per_segment(li, sl, x.size(0)), y,
+                                                                      off, size), "CPU")
+    lib.impl("bgmv_shrink", lambda x, w, i, y, scale: shrink("bgmv", x, w, per_token(i, x.size(0)), y, scale), "CPU")
+    lib.impl("bgmv_expand", lambda x, w, i, y, off, size: expand("bgmv", x, w, per_token(i, x.size(0)), y, off, size),
+             "CPU")
     _LIBRARY.append(lib)
 
 
 @pytest.fixture(scope="module")
 def npu_ops() -> Counter[str]:
-    _register_reference_ops()
+    _register_emulator()
     return CALLS
 
 
-STACKS = {"single": (48,), "qkv": (32, 16, 16), "gate_up": (40, 40)}
+@pytest.fixture(autouse=True)
+def today_s_convention():
+    CONVENTION["now"] = "2026.9.0"
+    yield
+    CONVENTION["now"] = "2026.9.0"
+
+
+STACKS = {"plain": (48,), "qkv": (32, 16, 16), "gate_up": (48, 48)}
 SHAPES = {"prefill": [1, 40, 7, 23, 2, 15], "decode": [1] * 16}
 PATTERNS = ("distinct", "zipf", "identical", "mixed_ranks", "base_mixed")
+PHASES = {"prefill": "ascend_sgmv", "decode": "ascend_bgmv", "graph": "ascend_bgmv"}
 
 
-def _run(backend, case, use_graph: bool = False) -> torch.Tensor:
-    info = make_batch_info(case.token_slots, case.ranks, case.max_rank, use_graph=use_graph)
-    y = case.y.clone()
-    backend.add_lora(y, case.x, case.a, case.b, case.offsets, info)
+def graph_info(token_slots: list[int], max_rank: int) -> LoRABatchInfo:
+    """As the graph runner builds it: one segment per token, no host lists."""
+    slots = torch.tensor(token_slots)
+    return LoRABatchInfo(token_slots=slots, seg_lens=torch.ones_like(slots), seg_slots=slots, seg_lens_host=(),
+                         seg_slots_host=(), slot_ranks_host=(), max_rank=max_rank, use_graph=True)
+
+
+def info_for(case, phase: str) -> LoRABatchInfo:
+    if phase == "graph":
+        return graph_info(case.token_slots, case.max_rank)
+    return make_batch_info(case.token_slots, case.ranks, case.max_rank, phase=phase)
+
+
+def run(case, phase: str, impl: str | None = None, y: torch.Tensor | None = None) -> torch.Tensor:
+    y = case.y.clone() if y is None else y
+    ops.add_lora(y, case.x, case.a, case.b, case.offsets, info_for(case, phase), impl=impl or PHASES[phase])
     return y
 
 
-def _assert_bf16_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+def native(case, phase: str = "prefill") -> torch.Tensor:
+    return run(case, phase, "torch_segments" if phase == "prefill" else "torch_masked")
+
+
+def assert_half_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(actual.float(), expected.float(), rtol=2e-2, atol=3e-2)
 
 
+def kernel_calls(before: Counter) -> dict[str, int]:
+    return {name: n - before[name] for name, n in CALLS.items() if n != before[name]}
+
+
+@pytest.mark.parametrize("phase", PHASES)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("stack", STACKS)
 @pytest.mark.parametrize("pattern", PATTERNS)
-def test_ascend_matches_torch_native(npu_ops, pattern, stack, shape):
+def test_matches_torch_native(npu_ops, pattern, stack, shape, phase):
     case = make_lora_case(pattern, SHAPES[shape], STACKS[stack], dtype=torch.bfloat16, seed=len(pattern))
     before = Counter(npu_ops)
-    y = _run(AscendBackend(), case)
-    assert npu_ops["sgmv_shrink"] - before["sgmv_shrink"] == 1
-    assert npu_ops["sgmv_expand"] - before["sgmv_expand"] == len(STACKS[stack])
-    _assert_bf16_close(y, _run(TorchNativeBackend(), case))
-    assert "sgl_kernel_npu" not in sys.modules
+    y = run(case, phase)
+    kind = "sgmv" if phase == "prefill" else "bgmv"
+    assert kernel_calls(before) == {f"{kind}_shrink": 1, f"{kind}_expand": len(STACKS[stack])}
+    assert_half_close(y, native(case, phase))
 
 
-def test_ascend_fp16_with_graph_style_segments(npu_ops):
-    # One segment per token (what a decode graph replays) gives the same result as merged runs.
-    case = make_lora_case("uniform", SHAPES["decode"], STACKS["qkv"], dtype=torch.float16, seed=2)
-    info = make_batch_info(case.token_slots, case.ranks, case.max_rank)
-    T = len(case.token_slots)
-    info.seg_lens, info.seg_slots = torch.ones(T, dtype=torch.int64), torch.tensor(case.token_slots)
-    y = case.y.clone()
-    AscendBackend().add_lora(y, case.x, case.a, case.b, case.offsets, info)
-    _assert_bf16_close(y, _run(TorchNativeBackend(), case))
+def test_fp16_and_graph_style_padded_rows(npu_ops):
+    """A decode bucket: real rows, then padding rows with slot -1 that must stay untouched."""
+    case = make_lora_case("uniform", [1] * 12, STACKS["qkv"], dtype=torch.float16, seed=2)
+    case = dataclasses.replace(case, token_slots=case.token_slots[:9] + [-1, -1, -1])
+    y = run(case, "graph")
+    assert torch.equal(y[9:], case.y[9:])
+    assert_half_close(y, native(case))
 
 
-def test_ascend_falls_back_where_the_kernels_cannot_run(npu_ops):
-    case = make_lora_case("zipf", SHAPES["prefill"], STACKS["qkv"], dtype=torch.float32, seed=4)
+@pytest.mark.parametrize("phase", PHASES)
+def test_non_contiguous_y_goes_through_a_copy(npu_ops, phase):
+    case = make_lora_case("zipf", SHAPES["decode"], STACKS["qkv"], dtype=torch.bfloat16, seed=5)
+    wide = torch.zeros(case.y.shape[0], case.y.shape[1] + 16, dtype=case.y.dtype)
+    wide[:, 8:8 + case.y.shape[1]] = case.y
+    y = run(case, phase, y=wide[:, 8:8 + case.y.shape[1]])
+    assert not y.is_contiguous()
+    assert_half_close(y, native(case, phase))
+    assert (wide[:, :8] == 0).all() and (wide[:, -8:] == 0).all()
+
+
+@pytest.mark.parametrize("phase", PHASES)
+def test_no_tokens_reach_no_kernel(npu_ops, phase):
+    case = make_lora_case("uniform", [0], STACKS["plain"], dtype=torch.bfloat16, seed=1)
     before = Counter(npu_ops)
-    y = _run(AscendBackend(), case)  # fp32: the kernels would silently do nothing
-    assert npu_ops == before
-    torch.testing.assert_close(y, _run(TorchNativeBackend(), case), rtol=1e-5, atol=1e-5)
+    assert run(case, phase).shape == (0, 48) and kernel_calls(before) == {}
+    with pytest.raises(RuntimeError, match="num_tokens_per_core"):   # what a T = 0 call would meet
+        torch.ops.npu.bgmv_shrink(case.x, case.a, torch.zeros(0, dtype=torch.int64), torch.zeros(0, 8), 1.0)
 
 
-def test_ascend_embedding_delegates_to_torch_native(npu_ops):
+@pytest.mark.parametrize("why,stack,in_dim,dtype", [
+    ("slice_size 40 % 16", (40, 40), 64, torch.bfloat16),
+    ("in 72 % 16", (48,), 72, torch.bfloat16),
+    ("in <= stack * R", (32, 16, 16), 16, torch.bfloat16),
+    ("fp32: the host check raises", (48,), 64, torch.float32),
+])
+@pytest.mark.parametrize("phase", PHASES)
+def test_operands_the_kernels_cannot_take_go_to_the_torch_ops(npu_ops, phase, why, stack, in_dim, dtype):
+    case = make_lora_case("zipf", SHAPES["prefill"], stack, in_dim=in_dim, dtype=dtype, seed=4)
+    before = Counter(npu_ops)
+    y = run(case, phase)
+    assert kernel_calls(before) == {}, why
+    torch.testing.assert_close(y, native(case, phase), rtol=1e-5, atol=1e-5)
+
+
+def test_310p_has_no_bf16_kernels():
+    case = make_lora_case("zipf", SHAPES["decode"], STACKS["plain"], dtype=torch.bfloat16, seed=3)
+    operands = (case.y, case.x, case.a, case.b, case.offsets)
+    assert ascend.kernel_dtypes("Ascend910B4") == (torch.float16, torch.bfloat16)
+    assert not ascend.eligible(*operands, dtypes=ascend.kernel_dtypes("Ascend310P3"))
+    assert ascend.eligible(*operands, dtypes=ascend.kernel_dtypes("Ascend910B4"))
+    half = [t.half() for t in (case.y, case.x, case.a)]
+    assert ascend.eligible(*half, tuple(b.half() for b in case.b), case.offsets, ascend.kernel_dtypes("Ascend310P3"))
+
+
+@pytest.mark.parametrize("max_rank", range(1, 65))
+def test_every_max_rank_matches_torch_native(npu_ops, max_rank):
+    """Kernels for R in {8, 16, 32, 64} (adapters of lower ranks zero-padded), the torch ops otherwise."""
+    case = make_lora_case("mixed_ranks", [3, 9, 1, 4], (64,), max_rank=max_rank, in_dim=80, dtype=torch.bfloat16,
+                          num_slots=4, seed=max_rank)
+    before = Counter(npu_ops)
+    y = run(case, "prefill")
+    assert bool(kernel_calls(before)) == (max_rank in ascend.KERNEL_RANKS)
+    assert_half_close(y, native(case))
+
+
+def test_lm_head_shard_padded_to_16_rows_takes_the_kernels(npu_ops):
+    vocab, hidden, tp = 1001, 64, 2
+    shard = ParallelLMHead(vocab, hidden, TPGroup(1, tp)).shard_size
+    assert shard % 16 == 0 and shard * tp >= vocab and -(-vocab // tp) % 16 != 0   # 501 rows unpadded
+    for rows, kernels in ((shard, True), (-(-vocab // tp), False)):
+        case = make_lora_case("zipf", [1] * 8, (rows,), num_slots=3, in_dim=hidden, dtype=torch.bfloat16, seed=1)
+        before = Counter(npu_ops)
+        y = run(case, "decode")
+        assert bool(kernel_calls(before)) == kernels
+        assert_half_close(y, native(case, "decode"))
+
+
+@pytest.mark.parametrize("impl", ["ascend_sgmv", "ascend_bgmv"])
+def test_embedding_is_a_gather_in_torch(npu_ops, impl):
     gen = torch.Generator().manual_seed(0)
-    a, b = torch.randn(4, 30, 8, generator=gen), torch.randn(4, 16, 8, generator=gen)
+    a, b = make_embedding_buffers([8, 3, 8, 5], 8, 30, 16, torch.bfloat16, gen)
     token_slots = [2, 2, -1, 0, 3, 3, 3]
     ids = torch.randint(0, 30, (len(token_slots),), generator=gen)
-    info = make_batch_info(token_slots, [8] * 4, 8)
-    y, expected = torch.zeros(len(token_slots), 16), torch.zeros(len(token_slots), 16)
-    AscendBackend().add_embedding_lora(y, ids, a, b, info)
-    TorchNativeBackend().add_embedding_lora(expected, ids, a, b, info)
+    info = make_batch_info(token_slots, [8, 3, 8, 5], 8, use_graph=impl == "ascend_bgmv")
+    y, expected = torch.zeros(len(token_slots), 16, dtype=torch.bfloat16), torch.zeros(len(token_slots), 16,
+                                                                                        dtype=torch.bfloat16)
+    before = Counter(npu_ops)
+    ops.add_embedding_lora(y, ids, a, b, info, impl=impl)
+    ops.add_embedding_lora(expected, ids, a, b, info, impl="torch_segments" if impl == "ascend_sgmv" else "torch_masked")
+    assert kernel_calls(before) == {}
     torch.testing.assert_close(y, expected)
 
 
-# The contract test must have teeth: each known way of calling the kernels wrongly fails.
+# The emulator must have teeth: each known way of calling the kernels wrongly fails.
 
-def _expand_each_slice(y, h, b, offsets, info, contiguous_h=True) -> None:
-    R = info.max_rank
+def test_emulator_semantics(npu_ops):
+    x, w = torch.ones(4, 32, dtype=torch.bfloat16), torch.ones(2, 8, 32, dtype=torch.bfloat16)
+    y = torch.full((4, 8), -1.0)
+    i64 = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+    torch.ops.npu.sgmv_shrink(x, w, i64([1, -1]), i64([1, 2]), y, 0.5)   # token 3 is past the last segment
+    assert y[0].tolist() == [16.0] * 8 and (y[1:] == -1).all()
+    with pytest.raises(AssertionError, match="int64"):
+        torch.ops.npu.sgmv_shrink(x, w, i64([0]).int(), i64([4]).int(), y, 1.0)
+    with pytest.raises(RuntimeError, match="fp16/bf16"):
+        torch.ops.npu.bgmv_shrink(x.float(), w.float(), i64([0] * 4), y, 1.0)
+    with pytest.raises(AssertionError, match="R = 12"):
+        torch.ops.npu.bgmv_expand(torch.zeros(4, 12), torch.zeros(2, 16, 12, dtype=torch.bfloat16), i64([0] * 4),
+                                  torch.zeros(4, 16, dtype=torch.bfloat16), 0, 16)
+    with pytest.raises(AssertionError, match="32-byte"):
+        torch.ops.npu.bgmv_expand(torch.zeros(4, 8), torch.zeros(2, 24, 8, dtype=torch.bfloat16), i64([0] * 4),
+                                  torch.zeros(4, 24, dtype=torch.bfloat16), 0, 24)
+
+
+def _expand_each_slice(y, h, b, offsets, index, R, contiguous_h=True) -> None:
     for s, b_s in enumerate(b):
         h_s = h[:, s * R:(s + 1) * R]
-        torch.ops.npu.sgmv_expand(h_s.contiguous() if contiguous_h else h_s, b_s, info.seg_slots,
-                                  info.seg_lens, y, offsets[s], offsets[s + 1] - offsets[s])
+        torch.ops.npu.sgmv_expand(h_s.contiguous() if contiguous_h else h_s, b_s, *index, y, offsets[s],
+                                  offsets[s + 1] - offsets[s])
 
 
-class Int32IndicesBackend(AscendBackend):
-    def shrink(self, h, x, a, info):
-        h.zero_()
-        torch.ops.npu.sgmv_shrink(x, a, info.seg_slots.int(), info.seg_lens.int(), h, 1.0)
+def int32_indices(y, x, a, b, offsets, info):
+    h = torch.zeros(x.shape[0], a.shape[1])
+    torch.ops.npu.sgmv_shrink(x, a, info.seg_slots.int(), info.seg_lens.int(), h, 1.0)
 
 
-class ModelDtypeBufferBackend(AscendBackend):
-    def add_lora(self, y, x, a, b, offsets, info):
-        h = torch.zeros(x.shape[0], a.shape[1], dtype=x.dtype)
-        torch.ops.npu.sgmv_shrink(x, a, info.seg_slots, info.seg_lens, h, 1.0)
-        _expand_each_slice(y, h, b, offsets, info)
+def model_dtype_buffer(y, x, a, b, offsets, info):
+    h = torch.zeros(x.shape[0], a.shape[1], dtype=x.dtype)
+    torch.ops.npu.sgmv_shrink(x, a, info.seg_slots, info.seg_lens, h, 1.0)
+    _expand_each_slice(y, h, b, offsets, (info.seg_slots, info.seg_lens), info.max_rank)
 
 
-class StridedActivationBackend(AscendBackend):
-    def expand(self, y, h, b, offsets, info):
-        _expand_each_slice(y, h, b, offsets, info, contiguous_h=False)
+def strided_activation(y, x, a, b, offsets, info):
+    h = torch.zeros(x.shape[0], a.shape[1])
+    torch.ops.npu.sgmv_shrink(x, a, info.seg_slots, info.seg_lens, h, 1.0)
+    _expand_each_slice(y, h, b, offsets, (info.seg_slots, info.seg_lens), info.max_rank, contiguous_h=False)
 
 
-class PackedWeightBackend(AscendBackend):
+def packed_weight_views(y, x, a, b, offsets, info):
     """Keeps B as one [L, out, stack*R] buffer and passes each slice as a column view."""
+    R = info.max_rank
+    packed = torch.zeros(b[0].shape[0], offsets[-1], len(b) * R, dtype=b[0].dtype)
+    for s, b_s in enumerate(b):
+        packed[:, offsets[s]:offsets[s + 1], s * R:(s + 1) * R] = b_s
+    views = [packed[:, offsets[s]:offsets[s + 1], s * R:(s + 1) * R] for s in range(len(b))]
+    h = torch.zeros(x.shape[0], a.shape[1])
+    torch.ops.npu.sgmv_shrink(x, a, info.seg_slots, info.seg_lens, h, 1.0)
+    _expand_each_slice(y, h, views, offsets, (info.seg_slots, info.seg_lens), R)
 
-    def expand(self, y, h, b, offsets, info):
-        R = info.max_rank
-        packed = torch.zeros(b[0].shape[0], offsets[-1], len(b) * R, dtype=b[0].dtype)
-        views = []
-        for s, b_s in enumerate(b):
-            packed[:, offsets[s]:offsets[s + 1], s * R:(s + 1) * R] = b_s
-            views.append(packed[:, offsets[s]:offsets[s + 1], s * R:(s + 1) * R])
-        _expand_each_slice(y, h, views, offsets, info)
 
-
-@pytest.mark.parametrize("broken", [Int32IndicesBackend, ModelDtypeBufferBackend])
+@pytest.mark.parametrize("broken", [int32_indices, model_dtype_buffer])
 def test_contract_rejects_wrong_dtypes(npu_ops, broken):
     case = make_lora_case("uniform", SHAPES["prefill"], STACKS["qkv"], dtype=torch.bfloat16, seed=8)
+    info = make_batch_info(case.token_slots, case.ranks, case.max_rank)
     with pytest.raises(AssertionError, match="int64|fp32"):
-        _run(broken(), case)
+        broken(case.y.clone(), case.x, case.a, case.b, case.offsets, info)
 
 
-@pytest.mark.parametrize("broken", [StridedActivationBackend, PackedWeightBackend])
+@pytest.mark.parametrize("broken", [strided_activation, packed_weight_views])
 def test_contract_catches_strided_views(npu_ops, broken):
     case = make_lora_case("uniform", SHAPES["prefill"], STACKS["qkv"], dtype=torch.bfloat16, seed=9)
-    expected = _run(TorchNativeBackend(), case)
-    _assert_bf16_close(_run(AscendBackend(), case), expected)
-    wrong = _run(broken(), case)
+    expected = native(case)
+    assert_half_close(run(case, "prefill"), expected)
+    wrong = case.y.clone()
+    broken(wrong, case.x, case.a, case.b, case.offsets, make_batch_info(case.token_slots, case.ranks, case.max_rank))
     assert not torch.allclose(wrong.float(), expected.float(), rtol=2e-2, atol=3e-2)
 
 
-def test_ascend_backend_refuses_a_strided_weight(npu_ops):
+def test_contract_catches_a_strided_y(npu_ops):
+    case = make_lora_case("uniform", SHAPES["decode"], STACKS["qkv"], dtype=torch.bfloat16, seed=9)
+    info = make_batch_info(case.token_slots, case.ranks, case.max_rank)
+    wide = torch.zeros(case.y.shape[0], case.y.shape[1] + 16, dtype=case.y.dtype)
+    view = wide[:, :case.y.shape[1]]
+    view.copy_(case.y)
+    h = torch.zeros(case.x.shape[0], case.a.shape[1])
+    torch.ops.npu.sgmv_shrink(case.x, case.a, info.seg_slots, info.seg_lens, h, 1.0)
+    _expand_each_slice(view, h, case.b, case.offsets, (info.seg_slots, info.seg_lens), case.max_rank)
+    assert not torch.allclose(view.float(), native(case).float(), rtol=2e-2, atol=3e-2)
+
+
+def test_backend_refuses_a_strided_weight(npu_ops):
     case = make_lora_case("uniform", SHAPES["decode"], STACKS["gate_up"], dtype=torch.bfloat16, seed=10)
     R = case.max_rank
-    wide = [torch.zeros(b_s.shape[0], b_s.shape[1], 2 * R, dtype=b_s.dtype) for b_s in case.b]
-    views = tuple(w[:, :, :R] for w in wide)
-    info = make_batch_info(case.token_slots, case.ranks, R)
-    h = torch.zeros(len(case.token_slots), 2 * R)
+    views = tuple(torch.zeros(b_s.shape[0], b_s.shape[1], 2 * R, dtype=b_s.dtype)[:, :, :R] for b_s in case.b)
     with pytest.raises(AssertionError, match="densely"):
-        AscendBackend().expand(case.y.clone(), h, views, case.offsets, info)
+        ops.add_lora(case.y.clone(), case.x, case.a, views, case.offsets, info_for(case, "decode"), impl="ascend_bgmv")
+
+
+# The start-up probe of the installed kernels.
+
+def test_probe_passes_on_today_s_convention(npu_ops):
+    for dtype in HALF:
+        ascend.probe("cpu", dtype)
+    ascend.probe("cpu", torch.float32)   # nothing of the kernels is used: nothing to check
+
+
+def test_probe_names_the_version_it_expects_when_the_convention_changed(npu_ops):
+    CONVENTION["now"] = "pr676"
+    with pytest.raises(RuntimeError, match=r"sgmv .*2026\.9\.0.*int32.*install sgl-kernel-npu 2026\.9\.0"):
+        ascend.probe("cpu", torch.bfloat16)
+
+
+def test_probe_fails_on_missing_or_changed_ops(npu_ops):
+    with pytest.raises(RuntimeError, match="op sgmv_shrink is missing; install sgl-kernel-npu 2026.9.0"):
+        ascend.probe("cpu", torch.bfloat16, ops=torch.ops.loraserve)
+    if not hasattr(torch.ops.loraserve_drift, "sgmv_shrink"):
+        lib = torch.library.Library("loraserve_drift", "DEF")
+        lib.define("sgmv_shrink(Tensor x, Tensor weight, Tensor lora_indices, Tensor seq_len, Tensor lora_ranks, "
+                   "Tensor y, float scale) -> ()")
+        _LIBRARY.append(lib)
+    with pytest.raises(RuntimeError, match="op sgmv_shrink takes .*expected"):
+        ascend.probe("cpu", torch.bfloat16, ops=torch.ops.loraserve_drift)

@@ -1,10 +1,12 @@
-"""The CPU LoRA kernel (lora/backends/cpu_sgmv.c) against the float64 per-token reference.
+"""The CPU LoRA kernel (lora/backends/cpu_sgmv.c, torch ops loraserve::sgmv_add / bgmv_add)
+against the float64 per-token reference.
 
 Covers each code path of the kernel: bf16 with max rank 16 (two rows of b per dot) and
 32/64 (one row per dot), bf16 with rank 8 and fp32 (the portable loops); adapters with one
 token each (threads take whole adapters) and one adapter with more tokens than a chunk
 (threads share its rows); output sizes and input widths that are not multiples of the
-vector width; base tokens and empty slots; and the fallback when the kernel is off.
+vector width; base tokens and empty slots; the per-token entry (graph phase); and the
+fallback when the kernel is off.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import pytest
 import torch
 
 from lora.backends import cpu_sgmv
+from lora.batch import KernelGroups
 from lora_reference import make_linear_buffers, ref_add_lora
 
 TOKEN_PATTERNS = {
@@ -47,12 +50,15 @@ def _case(pattern: str, max_rank: int, dtype: torch.dtype, seed: int = 0):
     return ranks, a, b, offsets, token_slots, x, y
 
 
-def _groups(token_slots, ranks):
-    lens, slots = [], []
-    for slot in token_slots:     # one segment per token: the plan merges them by slot
-        lens.append(1)
-        slots.append(slot)
-    return cpu_sgmv.plan_groups(tuple(lens), tuple(slots), tuple(ranks), max(ranks)).kernel
+def _groups(token_slots, ranks) -> KernelGroups:
+    """One group per adapter present with rank > 0, its tokens in order (what plan_step builds)."""
+    slots = [slot for slot in dict.fromkeys(token_slots) if slot >= 0 and ranks[slot] > 0]
+    rows = [[t for t, s in enumerate(token_slots) if s == slot] for slot in slots]
+    return KernelGroups.of(slots, [ranks[slot] for slot in slots], rows)
+
+
+def sgmv_add(y, x, a, b, offsets, groups: KernelGroups) -> None:
+    torch.ops.loraserve.sgmv_add(y, x, a, b, offsets, groups.packed, groups.num_groups)
 
 
 @pytest.mark.parametrize("pattern", TOKEN_PATTERNS)
@@ -63,12 +69,9 @@ def test_bf16_matches_reference(pattern, max_rank):
         ranks[5] = max_rank      # the long run's adapter must not be the empty slot
         a, b, offsets = make_linear_buffers(ranks, max_rank, IN_DIM, OUT_SIZES, torch.bfloat16,
                                             torch.Generator().manual_seed(1))
-    groups = cpu_sgmv.groups_for(tuple(
-        (slot, ranks[slot], tuple(t for t, s in enumerate(token_slots) if s == slot))
-        for slot in sorted(set(token_slots) - {-1}) if ranks[slot] > 0))
     expected = ref_add_lora(y.double(), x, a, b, offsets, token_slots)
     out = y.clone()
-    cpu_sgmv.sgmv_add(out, x, a, b, offsets, groups, max_rank)
+    sgmv_add(out, x, a, b, offsets, _groups(token_slots, ranks))
     # bf16 out (one rounding of y + delta) and h rounded to bf16 as torch's bf16 GEMMs do.
     torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=6e-2)
     untouched = [t for t, s in enumerate(token_slots) if s < 0 or ranks[s] == 0]
@@ -81,37 +84,31 @@ def test_bf16_matches_reference(pattern, max_rank):
 def test_fp32_matches_reference(pattern, max_rank):
     ranks, a, b, offsets, token_slots, x, y = _case(pattern, max_rank, torch.float32, seed=3)
     ranks[5] = 0
-    groups = _groups(token_slots, ranks)
     expected = ref_add_lora(y.clone(), x, a, b, offsets, token_slots)
     out = y.clone()
-    if groups is not None:
-        cpu_sgmv.sgmv_add(out, x, a, b, offsets, groups, max_rank)
+    sgmv_add(out, x, a, b, offsets, _groups(token_slots, ranks))
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_plan_merges_segments_and_leaves_out_base_tokens_and_empty_slots():
-    plan = cpu_sgmv.plan_groups((2, 1, 3, 2), (4, -1, 1, 4), (8, 0, 0, 0, 8), 8)
-    assert plan.kernel.slot.tolist() == [4] and plan.kernel.rows.tolist() == [0, 1, 6, 7]  # slot 1 is empty
-    assert plan.torch == ()
-    assert cpu_sgmv.plan_groups((3,), (1,), (0, 0), 8) == cpu_sgmv.Plan(None, ())          # nothing to add
-    assert cpu_sgmv.plan_groups((5, 2), (-1, -1), (8,), 8) == cpu_sgmv.Plan(None, ())      # base tokens only
-
-
-def test_plan_gives_adapters_with_many_tokens_to_torch():
-    many = cpu_sgmv.TORCH_MIN_TOKENS
-    plan = cpu_sgmv.plan_groups((many, 3, 2, many - 2, 4), (0, 1, 2, 1, 2), (8, 8, 8), 8)
-    assert plan.kernel.slot.tolist() == [2] and plan.kernel.rows.tolist() == [many + 3, many + 4] + list(
-        range(2 * many + 3, 2 * many + 7))
-    (slot0, run), (slot1, index) = plan.torch
-    assert (slot0, run) == (0, slice(0, many))                                  # one run: a slice
-    assert slot1 == 1 and index.tolist() == list(range(many, many + 3)) + list(range(many + 5, 2 * many + 3))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pattern", TOKEN_PATTERNS)
+def test_per_token_entry_matches_reference(pattern, dtype):
+    """bgmv_add groups the tokens itself, every slot at the full rank (zero past each slot's rank)."""
+    ranks, a, b, offsets, token_slots, x, y = _case(pattern, 16, dtype, seed=5)
+    expected = ref_add_lora(y.double(), x, a, b, offsets, token_slots)
+    out = y.clone()
+    torch.ops.loraserve.bgmv_add(out, x, a, b, offsets, torch.tensor(token_slots))
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=6e-2)
+    torch.testing.assert_close(out.double(), expected, **tol)
+    base = [t for t, s in enumerate(token_slots) if s < 0]
+    assert torch.equal(out[base], y[base])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_step_split_between_torch_and_the_kernel_matches_reference(dtype):
-    from lora.backends.torch_native import TorchNativeBackend
-    from lora.batch import make_batch_info
-    many = cpu_sgmv.TORCH_MIN_TOKENS
+    from lora import ops
+    from lora.batch import GEMM_MIN_TOKENS, make_batch_info
+    many = GEMM_MIN_TOKENS
     ranks = [16, 8, 1, 3, 15, 16, 16, 2]
     a, b, offsets = make_linear_buffers(ranks, 16, IN_DIM, OUT_SIZES, dtype, torch.Generator().manual_seed(9))
     token_slots = [0] * many + [3, 5, 3] + [5] * (many - 1) + [-1, 7]        # slot 0 a run, 5 scattered
@@ -119,10 +116,10 @@ def test_a_step_split_between_torch_and_the_kernel_matches_reference(dtype):
     x = torch.randn(len(token_slots), IN_DIM, generator=gen).to(dtype)
     y = torch.randn(len(token_slots), offsets[-1], generator=gen).to(dtype)
     info = make_batch_info(token_slots, ranks, 16)
-    plan = cpu_sgmv.plan_groups(info.seg_lens_host, info.seg_slots_host, info.slot_ranks_host, 16)
-    assert [slot for slot, _ in plan.torch] == [0, 5] and plan.kernel.slot.tolist() == [3, 7]
+    assert [g.slot for g in info.plan.gemm] == [0, 5] and info.plan.kernel.slot.tolist() == [3, 7]
+    assert info.plan.gemm[0].rows == slice(0, many)
     expected = ref_add_lora(y.double(), x, a, b, offsets, token_slots)
-    TorchNativeBackend().add_lora(y, x, a, b, offsets, info)
+    ops.add_lora(y, x, a, b, offsets, info, impl="cpu_sgmv")
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=6e-2)
     torch.testing.assert_close(y.double(), expected, **tol)
 
@@ -130,21 +127,39 @@ def test_a_step_split_between_torch_and_the_kernel_matches_reference(dtype):
 def test_bad_operands_are_refused_before_the_kernel_reads_them():
     ranks, a, b, offsets, token_slots, x, y = _case("mixed", 16, torch.bfloat16)
     groups = _groups(token_slots, ranks)
-    with pytest.raises(ValueError, match="offsets"):
-        cpu_sgmv.sgmv_add(y, x, a, b, (0, 47, 79, 99), groups, 16)
-    with pytest.raises(ValueError, match="do not fit y"):
-        cpu_sgmv.sgmv_add(y[:, :90], x, a, b, offsets, groups, 16)
-    with pytest.raises(ValueError, match="LoRA buffers"):
-        cpu_sgmv.sgmv_add(y, x, a, b, offsets, groups, 8)
-    past_slots = cpu_sgmv.groups_for(((a.shape[0], 4, (0,)),))
+    with pytest.raises(ValueError, match="does not take these operands"):
+        sgmv_add(y, x, a, b, (0, 47, 79, 99), groups)
+    with pytest.raises(ValueError, match="does not take these operands"):
+        sgmv_add(y[:, :90], x, a, b, offsets, groups)
+    with pytest.raises(ValueError, match="does not take these operands"):
+        sgmv_add(y, x, a[:, :40], b, offsets, groups)
+    for past in (KernelGroups.of([a.shape[0]], [4], [[0]]), KernelGroups.of([0], [4], [[x.shape[0]]]),
+                 KernelGroups.of([0], [17], [[0]])):   # a slot, a row, a rank past the buffers
+        with pytest.raises(ValueError, match="past the batch, the slots or the rank"):
+            sgmv_add(y, x, a, b, offsets, past)
+    with pytest.raises(ValueError, match="past the batch, the slots or the rank"):   # rows past the tensor
+        torch.ops.loraserve.sgmv_add(y, x, a, b, offsets, torch.tensor([0, 8, 0, 5, 0]), 1)
+    with pytest.raises(ValueError, match="cannot hold 5 groups"):
+        torch.ops.loraserve.sgmv_add(y, x, a, b, offsets, torch.tensor([0, 8, 0, 1, 0]), 5)
     with pytest.raises(ValueError, match="past the batch, the slots or the rank"):
-        cpu_sgmv.sgmv_add(y, x, a, b, offsets, past_slots, 16)
-    past_rows = cpu_sgmv.groups_for(((0, 4, (x.shape[0],)),))
-    with pytest.raises(ValueError, match="past the batch"):
-        cpu_sgmv.sgmv_add(y, x, a, b, offsets, past_rows, 16)
+        torch.ops.loraserve.bgmv_add(y, x, a, b, offsets, torch.full((x.shape[0],), a.shape[0]))
+    with pytest.raises(ValueError, match="one per row"):
+        torch.ops.loraserve.bgmv_add(y, x, a, b, offsets, torch.zeros(3, dtype=torch.int64))
+    assert not cpu_sgmv.supports(y.half(), x.half(), a.half(), b)   # no fp16 code: the torch ops'
+    assert not cpu_sgmv.supports(y.float(), x.float(), a, b)        # nor mixed dtypes
     strided_b = tuple(b_s.transpose(1, 2).contiguous().transpose(1, 2) for b_s in b)
-    assert not cpu_sgmv.sgmv_add(y, x, a, strided_b, offsets, groups, 16)        # not its layout: torch's
-    assert not cpu_sgmv.sgmv_add(y.float(), x.float(), a, b, offsets, groups, 16)  # nor mixed dtypes
+    for bad in ((y, x, a, strided_b), (y.float(), x.float(), a, b), (y, x[:, ::2], a, b)):
+        with pytest.raises(ValueError, match="does not take these operands"):
+            sgmv_add(*bad, offsets, groups)
+
+
+def test_negative_rows_slots_or_ranks_are_refused():
+    ranks, a, b, offsets, token_slots, x, y = _case("mixed", 16, torch.float32)
+    before = y.clone()
+    for slots, ranks_, rows in (([0], [8], [[-1]]), ([-1], [8], [[0]]), ([0], [-2], [[0]])):
+        with pytest.raises(ValueError, match="past the batch, the slots or the rank"):
+            sgmv_add(y, x, a, b, offsets, KernelGroups.of(slots, ranks_, rows))
+    assert torch.equal(y, before)
 
 
 def _run_python(code: str, **env) -> subprocess.CompletedProcess:
@@ -154,15 +169,16 @@ def _run_python(code: str, **env) -> subprocess.CompletedProcess:
 
 FALLBACK = """
 import torch
+from lora import ops
 from lora.backends import cpu_sgmv
-from lora.backends.torch_native import TorchNativeBackend
 from lora.batch import make_batch_info
 from lora_reference import make_lora_case, ref_add_lora
 assert not cpu_sgmv.available()
+assert [ops.choose_impl("torch_native", "cpu", p) for p in ("prefill", "decode", "graph")] == [
+    "torch_segments", "torch_masked", "torch_masked"]
 case = make_lora_case("uniform", [1] * 12, (24, 8, 8), seed=4)
 expected = ref_add_lora(case.y.clone(), case.x, case.a, case.b, case.offsets, case.token_slots)
-TorchNativeBackend().add_lora(case.y, case.x, case.a, case.b, case.offsets,
-                              make_batch_info(case.token_slots, case.ranks, case.max_rank))
+ops.add_lora(case.y, case.x, case.a, case.b, case.offsets, make_batch_info(case.token_slots, case.ranks, case.max_rank))
 torch.testing.assert_close(case.y, expected, rtol=1e-5, atol=1e-5)
 """
 
@@ -179,7 +195,6 @@ def test_without_a_compiler_the_torch_ops_do_the_work_and_a_warning_says_why(tmp
     assert "CPU kernel cpu_sgmv.c unavailable" in done.stderr
 
 
-
 def test_more_stacked_slices_than_the_fast_path_holds():
     """The bf16-dot path keeps per-slice tables for up to 8 slices; more go to the generic loops."""
     gen = torch.Generator().manual_seed(5)
@@ -190,11 +205,5 @@ def test_more_stacked_slices_than_the_fast_path_holds():
     x = torch.randn(len(token_slots), IN_DIM, generator=gen).to(torch.bfloat16)
     y = torch.randn(len(token_slots), offsets[-1], generator=gen).to(torch.bfloat16)
     expected = ref_add_lora(y.double(), x, a, b, offsets, token_slots)
-    assert cpu_sgmv.sgmv_add(y, x, a, b, offsets, _groups(token_slots, ranks), 16)
+    sgmv_add(y, x, a, b, offsets, _groups(token_slots, ranks))
     torch.testing.assert_close(y.double(), expected, rtol=2e-2, atol=6e-2)
-
-
-def test_negative_rows_slots_or_ranks_are_refused():
-    for runs in (((0, 8, (-1,)),), ((-1, 8, (0,)),), ((0, -2, (0,)),)):
-        with pytest.raises(ValueError, match=">= 0"):
-            cpu_sgmv.groups_for(runs)

@@ -4,8 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-SUPPORTED_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                          "down_proj", "embed_tokens", "lm_head")
+from lora.modules import SUPPORTED_MODULES as SUPPORTED_LORA_MODULES
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 GREEDY_BELOW = 1e-5      # temperatures under this sample greedily (vLLM's rule): 1/T would overflow to NaN
 MAX_STOP_STRINGS = 16    # each one is searched for after every token

@@ -1,7 +1,9 @@
-"""Decode attention on the CPU through cpu_attention.c (ctypes); None where it does not apply.
+"""Decode attention on the CPU through cpu_attention.c (ctypes), as the torch op loraserve::decode_attention.
 
-Used by kv_cache.decode_attention on the eager CPU path only: the graph-safe path must stay
-torch ops (capturable, fake-tensor traceable), and other dtypes (fp16) keep torch's.
+Registered through torch.library with a fake implementation, so FakeTensor mode and
+torch.compile see an op of fixed output shape. kv_cache.decode_attention calls it on its
+eager CPU path; `decode_attention` returns None where it does not apply (other dtypes, e.g.
+fp16, keep torch's).
 """
 from __future__ import annotations
 
@@ -33,34 +35,63 @@ def _load() -> ctypes.CDLL | None:
     return native.load(SOURCE, {name: [ctypes.c_void_p] for name in _SYMBOLS.values()})
 
 
+@torch.compiler.assume_constant_result   # a fact of the process: torch.compile need not trace the build
 def available() -> bool:
     return _load() is not None
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
-    """kv_cache.decode_attention's contract, or None when the kernel does not take these operands."""
-    lib = _load()
-    if (lib is None or q.dtype not in _SYMBOLS or any(t.device.type != "cpu" for t in (q, k_cache, v_cache,
-                                                                                       block_tables, context_lens))
-            or k_cache.dtype != q.dtype
-            or v_cache.dtype != q.dtype or not (k_cache.is_contiguous() and v_cache.is_contiguous())
-            or k_cache.shape != v_cache.shape or q.dim() != 3 or q.stride(2) != 1 or q.stride(1) != q.shape[2]
-            or block_tables.dtype != torch.int64 or block_tables.dim() != 2 or block_tables.stride(1) != 1
-            or context_lens.dtype != torch.int64 or not context_lens.is_contiguous()):
-        return None
+def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+             context_lens: torch.Tensor) -> bool:
+    """Whether the kernel reads these operands (the KV cache's layout, a dtype it has, int64 tables)."""
+    return (available() and q.dtype in _SYMBOLS and k_cache.dtype == q.dtype and v_cache.dtype == q.dtype
+            and all(t.device.type == "cpu" for t in (q, k_cache, v_cache, block_tables, context_lens))
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
+            and q.dim() == 3 and q.stride(2) == 1 and q.stride(1) == q.shape[2]
+            and block_tables.dtype == torch.int64 and block_tables.dim() == 2 and block_tables.stride(1) == 1
+            and context_lens.dtype == torch.int64 and context_lens.is_contiguous())
+
+
+def _check(q, k_cache, v_cache, block_tables, context_lens) -> None:
     B, H, D = q.shape
-    kv_heads, num_blocks, block_size, head_dim = k_cache.shape
+    kv_heads, _, _, head_dim = k_cache.shape
     if head_dim != D or H % kv_heads or block_tables.shape[0] != B or context_lens.shape[0] != B:
         raise ValueError(f"decode attention: q {tuple(q.shape)}, cache {tuple(k_cache.shape)}, "
                          f"block tables {tuple(block_tables.shape)}, context lens {tuple(context_lens.shape)}")
+
+
+def _decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: float) -> torch.Tensor:
+    _check(q, k_cache, v_cache, block_tables, context_lens)
+    if not supports(q, k_cache, v_cache, block_tables, context_lens):
+        raise ValueError("decode attention: the CPU kernel does not take these operands (check supports())")
+    B, H, D = q.shape
+    kv_heads, num_blocks, block_size, _ = k_cache.shape
     out = torch.empty(B, H, D, dtype=q.dtype)
     args = _Args(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), kv_heads, num_blocks, block_size,
                  D, H // kv_heads, block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1],
                  context_lens.data_ptr(), out.data_ptr(), H * D, B, scale)
-    status = getattr(lib, _SYMBOLS[q.dtype])(ctypes.addressof(args))
+    status = getattr(_load(), _SYMBOLS[q.dtype])(ctypes.addressof(args))
     if status == 2:
         raise MemoryError("decode attention: out of memory for the kernel's scratch buffers")
     if status != 0:
         raise ValueError("decode attention: a context length or a block id is out of range of the KV cache")
     return out
+
+
+def _fake(q, k_cache, v_cache, block_tables, context_lens, scale: float) -> torch.Tensor:
+    _check(q, k_cache, v_cache, block_tables, context_lens)
+    return q.new_empty(q.shape)
+
+
+_LIB = torch.library.Library("loraserve", "FRAGMENT")   # lora/backends/cpu_sgmv.py adds the LoRA ops
+_LIB.define("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
+            "float scale) -> Tensor")
+_LIB.impl("decode_attention", _decode_attention, "CPU")
+torch.library.register_fake("loraserve::decode_attention", _fake, lib=_LIB)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """kv_cache.decode_attention's contract, or None when the kernel does not take these operands."""
+    if not supports(q, k_cache, v_cache, block_tables, context_lens):
+        return None
+    return torch.ops.loraserve.decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)

@@ -133,6 +133,11 @@ class RowParallelLinear(nn.Module):
         return self.reduce(self.partial(x))
 
 
+# Vocabulary rows per shard are rounded up to this (zero rows, sliced off the logits): the NPU
+# LoRA kernels copy the LM head's outputs in whole 32-byte blocks (lora/backends/ascend.py).
+VOCAB_SHARD_MULTIPLE = 16
+
+
 class VocabParallelEmbedding(nn.Module):
     """Rows of the vocabulary split across ranks; out-of-shard ids contribute zero."""
 
@@ -140,7 +145,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.tp = tp
         self.vocab_size = vocab_size
-        self.shard_size = -(-vocab_size // tp.size)
+        self.shard_size = -(-vocab_size // (tp.size * VOCAB_SHARD_MULTIPLE)) * VOCAB_SHARD_MULTIPLE
         self.vocab_start = tp.rank * self.shard_size
         self.weight = nn.Parameter(torch.zeros(self.shard_size, hidden), requires_grad=False)
 

@@ -12,9 +12,10 @@ from typing import Callable
 import torch
 
 from lora.adapter import LoRAAdapter
-from lora.backends.registry import get_lora_backend
 from lora.batch import make_batch_info
 from lora.layers import wrap_model
+from lora.modules import MODULE_GROUPS, PACKED_MODULES
+from lora.ops import prepare_backend
 from lora.slots import GroupShape, SlotPool
 from workers.config import MAX_LOGIT_BIAS, EngineConfig
 from workers.device import Platform
@@ -47,12 +48,17 @@ def lora_shard(model: LlamaForCausalLM):
     rank (k/v by the same kv-head ranges as the base, so replicated kv heads get the
     same B rows). Row-parallel (o, down): A's input columns of this rank, B replicated.
     embed_tokens: both replicated, the delta is added after the embedding's all-reduce.
-    Every layer has the same shapes, so layer 0's base modules describe them all.
+    The LM head's shard has padding rows (past the vocabulary, or up to a multiple of 16),
+    zero like the base's, so even one rank needs this. Which module is cut how is
+    lora/modules.py's table; every layer has layer 0's shapes.
     """
-    attn, mlp, lm_head = model.layers[0].self_attn, model.layers[0].mlp, model.lm_head
-    column = {"q_proj": (attn.qkv_proj, 0), "k_proj": (attn.qkv_proj, 1), "v_proj": (attn.qkv_proj, 2),
-              "gate_proj": (mlp.gate_up_proj, 0), "up_proj": (mlp.gate_up_proj, 1)}
-    row = {"o_proj": attn.o_proj, "down_proj": mlp.down_proj}
+    first, lm_head = model.layers[0], model.lm_head
+    column, row = {}, {}
+    for group in PACKED_MODULES:
+        if group.parallel == "column":
+            column.update({m: (first.get_submodule(group.path), s) for s, m in enumerate(group.modules)})
+        elif group.parallel == "row":
+            row.update({m: first.get_submodule(group.path) for m in group.modules})
 
     def shard(module: str, weights) -> tuple[torch.Tensor, torch.Tensor]:
         a, b = weights.lora_a, weights.lora_b
@@ -64,7 +70,7 @@ def lora_shard(model: LlamaForCausalLM):
             n = row[module].in_features
             start = row[module].tp.rank * n
             return a[:, start:start + n], b
-        if module == "lm_head":  # the last vocab shard may run past the vocabulary: zero rows, like the base
+        if module == "lm_head":
             local = b.new_zeros(lm_head.shard_size, b.shape[1])
             rows = b[lm_head.vocab_start:lm_head.vocab_start + lm_head.shard_size]
             local[:rows.shape[0]] = rows
@@ -102,22 +108,22 @@ class ModelRunner:
 
     def _init_lora(self) -> SlotPool:
         cfg, first = self.runtime.hf_config, self.model.layers[0]
-        shapes = {
-            "qkv_proj": GroupShape(cfg.hidden_size, tuple(first.self_attn.qkv_proj.out_sizes)),
-            "o_proj": GroupShape(first.self_attn.o_proj.in_features, (cfg.hidden_size,)),
-            "gate_up_proj": GroupShape(cfg.hidden_size, tuple(first.mlp.gate_up_proj.out_sizes)),
-            "down_proj": GroupShape(first.mlp.down_proj.in_features, (cfg.hidden_size,)),
-            "embed_tokens": GroupShape(cfg.vocab_size, (cfg.hidden_size,)),
-            "lm_head": GroupShape(cfg.hidden_size, (self.model.lm_head.shard_size,)),
-        }
-        wanted = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "o_proj": "o_proj",
-                  "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj",
-                  "embed_tokens": "embed_tokens", "lm_head": "lm_head"}
-        groups = {wanted[m]: shapes[wanted[m]] for m in self.config.lora_target_modules}
+        wanted = {MODULE_GROUPS[module][0] for module in self.config.lora_target_modules}
+        groups = {}
+        for group in PACKED_MODULES:
+            if group.name not in wanted:
+                continue
+            if group.parallel == "embedding":      # A and B replicated
+                groups[group.name] = GroupShape(cfg.vocab_size, (cfg.hidden_size,))
+            elif group.parallel == "lm_head":
+                groups[group.name] = GroupShape(cfg.hidden_size, (self.model.lm_head.shard_size,))
+            else:                                  # this rank's in_features (row) / out_sizes (column)
+                base = first.get_submodule(group.path)
+                groups[group.name] = GroupShape(base.in_features, tuple(base.out_sizes))
         pool = SlotPool(cfg.num_hidden_layers, groups, self.config.max_loras_per_batch, self.config.max_lora_rank,
-                        self.dtype, self.device, shard=lora_shard(self.model) if self.tp.size > 1 else None)
-        backend_name = self.config.lora_backend or self.platform.default_lora_backend
-        self.lora_backend = get_lora_backend(backend_name)()
+                        self.dtype, self.device, shard=lora_shard(self.model))
+        self.lora_backend = self.config.lora_backend or self.platform.default_lora_backend
+        prepare_backend(self.lora_backend, self.device, self.dtype)   # the Ascend kernels' probe
         wrap_model(self.model, pool.buffers, self.lora_backend)
         return pool
 

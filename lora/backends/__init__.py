@@ -1,4 +1,2 @@
-"""LoRA compute backends: shrink / expand over the slot buffers (see registry.py)."""
-from lora.backends.registry import default_backend_name, get_lora_backend, register_lora_backend
-
-__all__ = ["default_backend_name", "get_lora_backend", "register_lora_backend"]
+"""Implementations of the LoRA ops of lora/ops.py (which picks among them): torch_native (any
+device), cpu_sgmv (the CPU's C kernel as torch ops), ascend (sgl_kernel_npu's kernels)."""

@@ -12,7 +12,10 @@
  *                        slot pool's contract: the bf16-dot paths multiply them by zero h)
  *   y  [T, >= y_offsets[stack-1] + out_dims[stack-1]], row stride y_stride, updated in place:
  *        y[t, y_offsets[s] + o] += sum_j b[s][slot, o, j] * (a[slot, s*R + j] . x[t])
- * Group g (one adapter) owns rows[group_start[g] .. group_start[g+1]) of x and y.
+ * Group g (one adapter) owns rows[group_start[g] .. group_start[g+1]) of x and y. The groups are
+ * checked against num_rows, num_slots, R and num_indices before anything is read (OUT_OF_RANGE).
+ * The bgmv entries take one slot per token instead (token_slots[num_rows], -1 = base) and group
+ * the tokens themselves, every slot at rank R: the graph phase has no host plan to pass.
  * h is kept in fp32; bf16 y is read, updated in fp32 and rounded to nearest even once.
  */
 #include <stdint.h>
@@ -31,7 +34,10 @@ typedef struct {                   /* one call's operands; pointers to T (bf16 o
     void *y;
     int64_t y_stride;
     const int64_t *group_slot, *group_rank, *group_start, *rows;
+    int64_t num_rows, num_slots, num_indices;   /* rows of x and y, slots, entries of rows[] */
 } sgmv_args;
+
+enum { OUT_OF_MEMORY = 1, OUT_OF_RANGE = 2 };   /* nonzero returns */
 
 /* The operands of sgmv_args as locals of element type T, for the typed range functions below. */
 #define SGMV_OPERANDS(T)                                                                             \
@@ -56,7 +62,7 @@ typedef struct {                   /* one call's operands; pointers to T (bf16 o
 static int NAME##_range(const sgmv_args *args, int64_t g_begin, int64_t g_end) {                  \
     SGMV_OPERANDS(T)                                                                                 \
     float *h = malloc(sizeof(float) * CHUNK * SR), *xf = malloc(sizeof(float) * CHUNK * in_dim);     \
-    if (!h || !xf) { free(h); free(xf); return 1; }                                                 \
+    if (!h || !xf) { free(h); free(xf); return OUT_OF_MEMORY; }                                      \
     for (int64_t g = g_begin; g < g_end; g++) {                                                       \
         const int64_t slot = group_slot[g], rank = group_rank[g];                                    \
         for (int64_t c0 = group_start[g]; c0 < group_start[g + 1]; c0 += CHUNK) {                    \
@@ -133,7 +139,7 @@ static int NAME##_range(const sgmv_args *args, int64_t g_begin, int64_t g_end) {
     SGMV_OPERANDS(T)                                                                                 \
     float *h = malloc(sizeof(float) * CHUNK * SR);                                                  \
     float *bo = malloc(sizeof(float) * R);                                                          \
-    if (!h || !bo) { free(h); free(bo); return 1; }                                                \
+    if (!h || !bo) { free(h); free(bo); return OUT_OF_MEMORY; }                                     \
     for (int64_t g = g_begin; g < g_end; g++) {                                                       \
         const int64_t slot = group_slot[g], rank = group_rank[g];                                    \
         for (int64_t c0 = group_start[g]; c0 < group_start[g + 1]; c0 += CHUNK) {                    \
@@ -302,14 +308,14 @@ static int sgmv_bf16_dp_range(const sgmv_args *args, int64_t g_begin, int64_t g_
     const int by_group = g_end - g_begin >= 2 * omp_get_max_threads();
     const size_t hb_bytes = sizeof(uint16_t) * (CHUNK * SR + 32);   /* + 32: whole-vector loads */
     uint16_t *shared_hb = NULL;
-    if (!by_group && !(shared_hb = malloc(hb_bytes))) return 1;
+    if (!by_group && !(shared_hb = malloc(hb_bytes))) return OUT_OF_MEMORY;
     int status = 0;
     #pragma omp parallel
     {
         uint16_t *hb = by_group ? malloc(hb_bytes) : shared_hb;
         if (!hb) {
             #pragma omp atomic write
-            status = 1;
+            status = OUT_OF_MEMORY;
         }
         /* All or nothing: a thread without scratch must not leave its share of y undone. */
         #pragma omp barrier
@@ -348,9 +354,62 @@ static int sgmv_bf16_dp_range(const sgmv_args *args, int64_t g_begin, int64_t g_
 #define sgmv_bf16_dp_range sgmv_bf16_range
 #endif
 
-/* The bf16-dot path runs on torch's OpenMP threads (above); the others on the calling thread. */
-int sgmv_add_bf16(const sgmv_args *args, int64_t num_groups) {
-    return BF16_DP_OK(args) ? sgmv_bf16_dp_range(args, 0, num_groups) : sgmv_bf16_range(args, 0, num_groups);
+/* The code above trusts the groups: every index is checked here first. */
+static int check_groups(const sgmv_args *args, int64_t num_groups) {
+    for (int64_t g = 0; g < num_groups; g++) {
+        const int64_t lo = args->group_start[g], hi = args->group_start[g + 1];
+        if (args->group_slot[g] < 0 || args->group_slot[g] >= args->num_slots || args->group_rank[g] < 0
+            || args->group_rank[g] > args->R || lo < 0 || hi < lo || hi > args->num_indices)
+            return OUT_OF_RANGE;
+        for (int64_t i = lo; i < hi; i++)
+            if (args->rows[i] < 0 || args->rows[i] >= args->num_rows) return OUT_OF_RANGE;
+    }
+    return 0;
 }
 
-int sgmv_add_f32(const sgmv_args *args, int64_t num_groups) { return sgmv_f32_range(args, 0, num_groups); }
+/* The bf16-dot path runs on torch's OpenMP threads (above); the others on the calling thread. */
+static int add_bf16(const sgmv_args *args, int64_t num_groups) {
+    return BF16_DP_OK(args) ? sgmv_bf16_dp_range(args, 0, num_groups) : sgmv_bf16_range(args, 0, num_groups);
+}
+static int add_f32(const sgmv_args *args, int64_t num_groups) { return sgmv_f32_range(args, 0, num_groups); }
+
+int sgmv_add_bf16(const sgmv_args *args, int64_t num_groups) {
+    const int bad = check_groups(args, num_groups);
+    return bad ? bad : add_bf16(args, num_groups);
+}
+int sgmv_add_f32(const sgmv_args *args, int64_t num_groups) {
+    const int bad = check_groups(args, num_groups);
+    return bad ? bad : add_f32(args, num_groups);
+}
+
+/* Tokens grouped by slot (a counting sort, in token order within a slot), each slot at rank R. */
+static int by_token(int (*add)(const sgmv_args *, int64_t), const sgmv_args *args, const int64_t *token_slots) {
+    const int64_t T = args->num_rows, L = args->num_slots;
+    int64_t *scratch = malloc(sizeof(int64_t) * (5 * L + 2 + T));
+    if (!scratch) return OUT_OF_MEMORY;
+    int64_t *count = scratch, *slot = count + L, *rank = slot + L, *start = rank + L, *next = start + L + 1;
+    int64_t *rows = next + L + 1;
+    memset(count, 0, sizeof(int64_t) * L);
+    for (int64_t t = 0; t < T; t++) {
+        if (token_slots[t] >= L) { free(scratch); return OUT_OF_RANGE; }
+        if (token_slots[t] >= 0) count[token_slots[t]]++;
+    }
+    int64_t G = 0;
+    start[0] = 0;
+    for (int64_t l = 0; l < L; l++)
+        if (count[l]) {
+            slot[G] = l, rank[G] = args->R, next[l] = start[G], start[G + 1] = start[G] + count[l];
+            G++;
+        }
+    for (int64_t t = 0; t < T; t++)
+        if (token_slots[t] >= 0) rows[next[token_slots[t]]++] = t;
+    sgmv_args grouped = *args;
+    grouped.group_slot = slot, grouped.group_rank = rank, grouped.group_start = start, grouped.rows = rows;
+    grouped.num_indices = T;
+    const int status = add(&grouped, G);
+    free(scratch);
+    return status;
+}
+
+int bgmv_add_bf16(const sgmv_args *args, const int64_t *token_slots) { return by_token(add_bf16, args, token_slots); }
+int bgmv_add_f32(const sgmv_args *args, const int64_t *token_slots) { return by_token(add_f32, args, token_slots); }

@@ -1,210 +1,147 @@
-"""The CPU segmented-LoRA kernel (cpu_sgmv.c), called by ctypes; built by lora/native.py.
+"""The CPU LoRA kernel (cpu_sgmv.c) as torch ops; built by lora/native.py, called by ctypes.
 
-Without it (no C compiler, or LORASERVE_CPU_KERNEL=0) `available()` is False and the torch ops
-do the work: same results, slower with many adapters per batch.
+    loraserve::sgmv_add(y, x, a, b, offsets, groups, num_groups)
+        the step's planned groups (info.plan.kernel, lora.batch.KernelGroups): the eager phases;
+    loraserve::bgmv_add(y, x, a, b, offsets, token_slots)
+        one slot per token, grouped inside the kernel: the graph phase.
+Both do y[t, offsets[s]:offsets[s+1]] += x[t] @ a[l, s*R:(s+1)*R].T @ b[s][l].T in the slot
+pool's layout (lora/backends/torch_native.py). Registered through torch.library with fake
+implementations, so FakeTensor mode and torch.compile see ops that mutate y and read nothing
+back. Without the kernel (no C compiler, or LORASERVE_CPU_KERNEL=0) `available()` is False and
+lora/ops.py picks the torch ops: same results, slower with many adapters per step.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from lora import native
-from lora.backends.torch_batched import add_lora_rows
-from lora.batch import token_runs
+from lora.backends import torch_native
+from lora.batch import LoRABatchInfo
 
 SOURCE = Path(__file__).with_name("cpu_sgmv.c")
-_SYMBOLS = {torch.bfloat16: "sgmv_add_bf16", torch.float32: "sgmv_add_f32"}
+_SYMBOLS = {torch.bfloat16: ("sgmv_add_bf16", "bgmv_add_bf16"), torch.float32: ("sgmv_add_f32", "bgmv_add_f32")}
+OUT_OF_MEMORY, OUT_OF_RANGE = 1, 2   # the kernel's nonzero returns
 
 
 @functools.cache   # on every layer's call: the lookup must cost nothing
 def _load() -> ctypes.CDLL | None:
-    return native.load(SOURCE, {name: [ctypes.c_void_p, ctypes.c_int64] for name in _SYMBOLS.values()})
+    argtypes = {"sgmv": [ctypes.c_void_p, ctypes.c_int64], "bgmv": [ctypes.c_void_p, ctypes.c_void_p]}
+    return native.load(SOURCE, {name: argtypes[name[:4]] for names in _SYMBOLS.values() for name in names})
 
 
+@torch.compiler.assume_constant_result   # a fact of the process: torch.compile need not trace the build
 def available() -> bool:
     return _load() is not None
 
 
-@dataclass(frozen=True)
-class Groups:
-    """The adapters of a batch as the kernel reads them (the tensors own the memory `ptrs` point into)."""
-    num_groups: int
-    slot: torch.Tensor      # [G] int64
-    rank: torch.Tensor      # [G] int64
-    start: torch.Tensor     # [G + 1] int64, into rows
-    rows: torch.Tensor      # token rows, grouped by adapter
-    bounds: tuple[int, int, int]   # max row + 1, max slot + 1, max rank (0s when empty)
-
-    @functools.cached_property
-    def ptrs(self) -> tuple[int, int, int, int]:
-        return self.slot.data_ptr(), self.rank.data_ptr(), self.start.data_ptr(), self.rows.data_ptr()
-
-
-# An adapter with this many tokens in the batch (a prompt, say) goes to torch's GEMMs: blocked and
-# multi-threaded, they beat the kernel there (1024 tokens of one adapter: 2.8 against 8.7 ms a
-# layer); with fewer, the kernel wins (32 decode tokens of one adapter: ~60 against ~130 us a call).
-TORCH_MIN_TOKENS = 64
-
-
-@dataclass(frozen=True)
-class Plan:
-    """How a step's LoRA is split: adapters with few tokens to the kernel, the others to torch."""
-    kernel: Groups | None
-    torch: tuple[tuple[int, slice | torch.Tensor], ...]   # (slot, its rows: one run, or an index)
-
-
-@functools.lru_cache(maxsize=64)
-def plan_groups(seg_lens: tuple[int, ...], seg_slots: tuple[int, ...], slot_ranks: tuple[int, ...],
-                max_rank: int) -> Plan:
-    few, many = [], []
-    for slot, spans in token_runs(seg_lens, seg_slots).items():
-        rank = min(slot_ranks[slot] if slot < len(slot_ranks) else max_rank, max_rank)
-        if rank <= 0:      # an empty slot adds exactly zero
-            continue
-        count = sum(hi - lo for lo, hi in spans)
-        if count < TORCH_MIN_TOKENS:
-            few.append((slot, rank, tuple(t for lo, hi in spans for t in range(lo, hi))))
-        elif len(spans) == 1:
-            many.append((slot, slice(*spans[0])))
-        else:
-            many.append((slot, torch.tensor([t for lo, hi in spans for t in range(lo, hi)], dtype=torch.int64)))
-    return Plan(groups_for(tuple(few)) if few else None, tuple(many))
-
-
-@functools.lru_cache(maxsize=64)
-def groups_for(runs: tuple[tuple[int, int, tuple[int, ...]], ...]) -> Groups:
-    """runs: (slot, rank, token rows) per adapter present."""
-    as_i64 = functools.partial(torch.tensor, dtype=torch.int64)
-    start = [0]
-    for _, _, rows in runs:
-        start.append(start[-1] + len(rows))
-    rows = [t for _, _, ts in runs for t in ts]
-    if any(t < 0 for t in rows) or any(slot < 0 or rank < 0 for slot, rank, _ in runs):
-        raise ValueError("LoRA groups: token rows, slots and ranks must be >= 0")
-    bounds = (max(rows, default=-1) + 1, max((s for s, _, _ in runs), default=-1) + 1,
-              max((r for _, r, _ in runs), default=0))
-    return Groups(len(runs), as_i64([s for s, _, _ in runs]), as_i64([r for _, r, _ in runs]), as_i64(start),
-                  as_i64(rows), bounds)
+def supports(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: Sequence[torch.Tensor]) -> bool:
+    """Whether the kernel has code for these dtypes; any other layout than the slot pool's (dense
+    buffers, unit column strides: what the LoRA layers pass) is refused by the ops themselves."""
+    return x.dtype in _SYMBOLS and y.dtype == x.dtype and a.dtype == x.dtype and a.device.type == "cpu"
 
 
 class _Args(ctypes.Structure):
-    """sgmv_args of cpu_sgmv.c, field for field."""
+    """sgmv_args of cpu_sgmv.c, field for field (b, out_dims and y_offsets point into one int64 array)."""
     _fields_ = [("x", ctypes.c_void_p), ("x_stride", ctypes.c_int64), ("in_dim", ctypes.c_int64),
                 ("a", ctypes.c_void_p), ("a_slot_stride", ctypes.c_int64), ("stack", ctypes.c_int64),
-                ("R", ctypes.c_int64), ("b", ctypes.POINTER(ctypes.c_void_p)),
-                ("out_dims", ctypes.POINTER(ctypes.c_int64)), ("y_offsets", ctypes.POINTER(ctypes.c_int64)),
-                ("y", ctypes.c_void_p), ("y_stride", ctypes.c_int64),
+                ("R", ctypes.c_int64), ("b", ctypes.c_void_p), ("out_dims", ctypes.c_void_p),
+                ("y_offsets", ctypes.c_void_p), ("y", ctypes.c_void_p), ("y_stride", ctypes.c_int64),
                 ("group_slot", ctypes.c_void_p), ("group_rank", ctypes.c_void_p), ("group_start", ctypes.c_void_p),
-                ("rows", ctypes.c_void_p)]
+                ("rows", ctypes.c_void_p), ("num_rows", ctypes.c_int64), ("num_slots", ctypes.c_int64),
+                ("num_indices", ctypes.c_int64)]
 
 
-@dataclass
-class _Layer:
-    """One LoRA layer's call, checked once: its buffers never move, so only x, y and the groups
-    change from call to call (written into `args` in place: a layer's forward is not re-entrant)."""
-    fn: object
-    dtype: torch.dtype
-    num_slots: int
-    max_rank: int
-    in_dim: int
-    out_end: int
-    args: _Args
-    keep: tuple       # the buffers (so their ids stay theirs) and the ctypes arrays args points into
+def _check(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: Sequence[torch.Tensor], offsets: Sequence[int]):
+    """Everything the kernel indexes by and reads as it does (the fake implementations check it too)."""
+    dtype, stack = x.dtype, len(b)
+    ok = (dtype in _SYMBOLS and y.dtype == dtype and a.dtype == dtype and a.device.type == "cpu" and stack > 0
+          and a.dim() == 3 and x.dim() == 2 and y.dim() == 2 and len(offsets) == stack + 1 and x.stride(1) == 1
+          and y.stride(1) == 1 and a.is_contiguous())
+    if ok:
+        L, rows, in_dim = a.shape
+        R = b[0].shape[-1]
+        ok = rows == stack * R and x.shape[1] == in_dim and y.shape[0] == x.shape[0] and 0 <= offsets[0]
+        for s, b_s in enumerate(b):
+            ok = (ok and b_s.dtype == dtype and b_s.dim() == 3 and b_s.shape[0] == L and b_s.shape[2] == R
+                  and offsets[s + 1] == offsets[s] + b_s.shape[1] and b_s.is_contiguous())
+        ok = ok and offsets[-1] <= y.shape[1]
+    if not ok:
+        raise ValueError("the CPU LoRA kernel does not take these operands: y, x, a, b "
+                         f"{[(tuple(t.shape), t.dtype) for t in (y, x, a, *b)]}, offsets {list(offsets)} (it needs "
+                         "bf16 / fp32 throughout, dense a and b, unit column strides and fitting shapes)")
 
 
-# Keyed by the buffers' ids, held alive by the entry: looked up on every call of every layer,
-# where hashing shapes and addresses cost more than the kernel's smallest calls.
-_LAYERS: dict[tuple, _Layer | None] = {}
+def _call(index: int, y, x, a, b, offsets, index_tensor: torch.Tensor, pointers: tuple[int, ...], num_indices: int,
+          extra) -> None:
+    """Run entry `index` (0: sgmv, 1: bgmv) of the kernel for y's dtype; `extra` is its last argument.
 
-
-def _layer(a: torch.Tensor, b: Sequence[torch.Tensor], offsets: tuple[int, ...], max_rank: int) -> _Layer | None:
-    """None when these buffers are not a layout the kernel reads (the torch ops take them)."""
-    key = (id(a), id(b), offsets, max_rank)
-    layer = _LAYERS.get(key, _LAYERS)
-    if layer is _LAYERS:
-        if len(_LAYERS) >= 4096:
-            _LAYERS.clear()
-        layer = _LAYERS[key] = _build_layer(a, tuple(b), offsets, max_rank, keep=(a, b))
-    return layer
-
-
-def _build_layer(a: torch.Tensor, b: tuple[torch.Tensor, ...], offsets: tuple[int, ...], max_rank: int,
-                 keep: tuple) -> _Layer | None:
-    stack, R = len(b), max_rank
-    if not (a.device.type == "cpu" and a.dtype in _SYMBOLS and a.dim() == 3 and a.is_contiguous()
-            and all(b_s.device.type == "cpu" and b_s.dtype == a.dtype and b_s.is_contiguous() and b_s.dim() == 3
-                    for b_s in b)):
-        return None
-    out_dims = [b_s.shape[1] for b_s in b]
-    # Everything the C code indexes is checked here or per call: it trusts its arguments.
-    if a.shape[1] != stack * R or any(b_s.shape[0] != a.shape[0] or b_s.shape[2] != R for b_s in b):
-        raise ValueError(f"LoRA buffers a {tuple(a.shape)} / b {[tuple(b_s.shape) for b_s in b]} for R={R}")
-    if list(offsets[1:]) != [offsets[s] + out_dims[s] for s in range(stack)]:
-        raise ValueError(f"offsets {list(offsets)} do not fit out dims {out_dims}")
-    arrays = ((ctypes.c_void_p * stack)(*[b_s.data_ptr() for b_s in b]), (ctypes.c_int64 * stack)(*out_dims),
-              (ctypes.c_int64 * stack)(*offsets[:-1]))
-    args = _Args(0, 0, a.shape[2], a.data_ptr(), a.stride(0), stack, R, *arrays)
-    return _Layer(getattr(_load(), _SYMBOLS[a.dtype]), a.dtype, a.shape[0], R, a.shape[2], offsets[-1], args,
-                  (*keep, *arrays))
-
-
-def _usable(a: torch.Tensor, b: Sequence[torch.Tensor], offsets: Sequence[int], max_rank: int, x: torch.Tensor,
-            y: torch.Tensor) -> _Layer | None:
-    layer = _layer(a, b, tuple(offsets), max_rank)
-    if (layer is None or x.dtype != layer.dtype or y.dtype != layer.dtype or x.dim() != 2 or y.dim() != 2
-            or x.shape[1] != layer.in_dim or x.stride(1) != 1 or y.stride(1) != 1 or x.device.type != "cpu"
-            or y.device.type != "cpu"):
-        return None
-    if layer.out_end > y.shape[1]:
-        raise ValueError(f"offsets {list(offsets)} do not fit y {tuple(y.shape)}")
-    return layer
-
-
-def _run(layer: _Layer, x: torch.Tensor, y: torch.Tensor, groups: Groups) -> None:
-    rows_end, slots_end, rank = groups.bounds
-    if rows_end > x.shape[0] or rows_end > y.shape[0] or slots_end > layer.num_slots or rank > layer.max_rank:
-        raise ValueError("LoRA groups index past the batch, the slots or the rank")
-    args = layer.args
-    args.x, args.x_stride, args.y, args.y_stride = x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0)
-    args.group_slot, args.group_rank, args.group_start, args.rows = groups.ptrs
-    if layer.fn(ctypes.addressof(args), groups.num_groups) != 0:
+    pointers: group_slot, group_rank, group_start and rows, into `index_tensor`."""
+    _check(y, x, a, b, offsets)
+    lib = _load()
+    if lib is None:
+        raise RuntimeError("the CPU LoRA kernel is not available (see lora/native.py's warning)")
+    if index_tensor.dtype != torch.int64 or not index_tensor.is_contiguous() or index_tensor.device.type != "cpu":
+        raise ValueError("LoRA groups / token slots must be a contiguous int64 CPU tensor")
+    stack = len(b)
+    slices = (ctypes.c_int64 * (3 * stack))(*[b_s.data_ptr() for b_s in b], *[b_s.shape[1] for b_s in b],
+                                            *offsets[:-1])
+    base = ctypes.addressof(slices)
+    args = _Args(x.data_ptr(), x.stride(0), a.shape[2], a.data_ptr(), a.stride(0), stack, b[0].shape[2], base,
+                 base + 8 * stack, base + 16 * stack, y.data_ptr(), y.stride(0), *pointers, x.shape[0], a.shape[0],
+                 num_indices)
+    status = getattr(lib, _SYMBOLS[x.dtype][index])(ctypes.addressof(args), extra)
+    if status == OUT_OF_MEMORY:
         raise MemoryError("CPU LoRA kernel: out of memory for its scratch buffers")
+    if status != 0:
+        raise ValueError("LoRA groups index past the batch, the slots or the rank")
 
 
-def sgmv_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: Sequence[torch.Tensor],
-             offsets: Sequence[int], groups: Groups, max_rank: int) -> bool:
-    """y[t, offsets[s]:offsets[s+1]] += x[t] @ a[l, s*R:(s+1)*R].T @ b[s][l].T for each group's rows t, slot l.
+def _sgmv_add(y, x, a, b, offsets, groups, num_groups: int) -> None:
+    G, n = num_groups, groups.numel()
+    if groups.dim() != 1 or not 0 <= 3 * G + 1 <= n:
+        raise ValueError(f"LoRA groups: {n} entries cannot hold {G} groups' slot, rank and start")
+    ptr = groups.data_ptr()
+    _call(0, y, x, a, b, offsets, groups, (ptr, ptr + 8 * G, ptr + 16 * G, ptr + 8 * (3 * G + 1)), n - 3 * G - 1, G)
 
-    False (nothing done) when the operands are not a layout the kernel reads.
-    """
-    assert available(), "call available() first"
-    layer = _usable(a, b, offsets, max_rank, x, y)
-    if layer is None:
-        return False
-    _run(layer, x, y, groups)
-    return True
+
+def _bgmv_add(y, x, a, b, offsets, token_slots) -> None:
+    if token_slots.shape != (x.shape[0],):
+        raise ValueError(f"token slots {tuple(token_slots.shape)} for x {tuple(x.shape)}: one per row")
+    _call(1, y, x, a, b, offsets, token_slots, (0, 0, 0, 0), 0, token_slots.data_ptr())
+
+
+_LIB = torch.library.Library("loraserve", "FRAGMENT")   # workers/cpu_attention.py adds its op too
+_LIB.define("sgmv_add(Tensor(a!) y, Tensor x, Tensor a, Tensor[] b, int[] offsets, Tensor groups, int num_groups) -> ()")
+_LIB.define("bgmv_add(Tensor(a!) y, Tensor x, Tensor a, Tensor[] b, int[] offsets, Tensor token_slots) -> ()")
+_LIB.impl("sgmv_add", _sgmv_add, "CPU")
+_LIB.impl("bgmv_add", _bgmv_add, "CPU")
+torch.library.register_fake("loraserve::sgmv_add", lambda y, x, a, b, offsets, groups, n: _check(y, x, a, b, offsets),
+                            lib=_LIB)
+torch.library.register_fake("loraserve::bgmv_add", lambda y, x, a, b, offsets, slots: _check(y, x, a, b, offsets),
+                            lib=_LIB)
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: Sequence[torch.Tensor], offsets: Sequence[int],
-             info) -> bool:
-    """The backend's entry: True when this layer's LoRA is done (kernel and, for adapters with many
-    tokens, torch GEMMs), False when the kernel does not take these operands (use the torch ops)."""
-    if not available():
-        return False
-    plan = info.memo.get("cpu_sgmv")
-    if plan is None:   # once per step, not per layer
-        plan = info.memo["cpu_sgmv"] = plan_groups(info.seg_lens_host, info.seg_slots_host,
-                                                   info.slot_ranks_host, info.max_rank)
-    layer = _usable(a, b, offsets, info.max_rank, x, y)
-    if layer is None:
-        return False
-    for slot, rows in plan.torch:
-        add_lora_rows(y, x, a[slot], [b_s[slot] for b_s in b], offsets, rows, info.max_rank)
-    if plan.kernel is not None:
-        _run(layer, x, y, plan.kernel)
-    return True
+             info: LoRABatchInfo) -> None:
+    """The eager phases: the plan's adapters with few tokens in one kernel call, the others
+    (info.plan.gemm) by torch's GEMMs; operands the kernel does not read go to the torch ops."""
+    if not supports(y, x, a, b):
+        return torch_native.add_lora_segments(y, x, a, b, offsets, info)
+    for group in info.plan.gemm:
+        torch_native.add_lora_rows(y, x, a[group.slot], [b_s[group.slot] for b_s in b], offsets, group.rows)
+    kernel = info.plan.kernel
+    if kernel is not None:
+        torch.ops.loraserve.sgmv_add(y, x, a, b, offsets, kernel.packed, kernel.num_groups)
+
+
+def add_lora_by_token(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: Sequence[torch.Tensor],
+                      offsets: Sequence[int], info: LoRABatchInfo) -> None:
+    """The graph phase: one kernel call reading info.token_slots (graph-safe: an op with a fake)."""
+    if not supports(y, x, a, b):
+        return torch_native.add_lora_masked(y, x, a, b, offsets, info)
+    torch.ops.loraserve.bgmv_add(y, x, a, b, offsets, info.token_slots)

@@ -6,103 +6,61 @@ Buffer layout shared with the slot pool and the LoRA layers (L slots, R = max_ra
                                   columns past the rank are zero
     offsets  (stack + 1,)         slice s writes y[:, offsets[s]:offsets[s+1]]
     h        [T, stack * R] fp32  the shrunk activations
-Slot -1 (base model) contributes exactly zero.
+Slot -1 (base model) contributes exactly zero, and so do the zero rows / columns past a
+slot's rank, so every op may compute all R ranks.
 
-Each op has two implementations:
-- `*_segments`, the control-flow path (eager prefill, CPU decode): loops over the
-  adapters present in the batch (host lists) and reads only their first `rank`
-  rows of each slice, which is exact because the rows past the rank are zero.
-  `add_lora` prefers, when adapters have few tokens each: on CPU the C kernel
-  (cpu_sgmv: one call per layer, each adapter's weights read once); elsewhere
-  torch_batched's padded grids (one bmm per shrink / slice);
-- `*_masked`, the graph-safe path (captured decode): fixed shapes, no host sync,
-  no data-dependent shapes; reads only `token_slots`, computes against every slot
-  and keeps each token's own.
+Two implementations (lora/ops.py picks one):
+- `*_segments`: the eager phases. One pair of GEMMs per adapter present in the step
+  (info.plan.groups, built once per step), exactly the size of its tokens.
+- `*_masked`: the graph phase. Fixed shapes, no host sync, no data-dependent shapes: reads
+  only info.token_slots, computes against every slot and keeps each token's own.
 """
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import torch
 
-from lora.backends import cpu_sgmv
-from lora.backends.registry import register_lora_backend
-from lora.backends.torch_batched import add_lora_batched, padded_layout
-from lora.batch import LoRABatchInfo, token_runs
+from lora.batch import LoRABatchInfo
 
 
-def _rows_by_slot(info: LoRABatchInfo, device: torch.device) -> list[tuple[int, int, slice | torch.Tensor]]:
-    """(slot, rank, rows) per adapter present; rows is a slice when its tokens form one run."""
-    # Cached on the host lists: every LoRA layer of a step asks the same question twice.
-    return _groups(info.seg_lens_host, info.seg_slots_host, info.slot_ranks_host, info.max_rank, device)
+def add_lora_rows(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: Sequence[torch.Tensor],
+                  offsets: Sequence[int], rows: slice | torch.Tensor) -> None:
+    """y[rows, offsets[s]:offsets[s+1]] += x[rows] @ a[s*R:(s+1)*R].T @ b[s].T for one adapter.
 
-
-@functools.lru_cache(maxsize=64)
-def _groups(seg_lens: tuple[int, ...], seg_slots: tuple[int, ...], slot_ranks: tuple[int, ...], max_rank: int,
-            device: torch.device) -> list[tuple[int, int, slice | torch.Tensor]]:
-    groups = []
-    for slot, runs in token_runs(seg_lens, seg_slots).items():
-        rank = slot_ranks[slot] if slot < len(slot_ranks) else max_rank
-        rank = min(rank, max_rank)
-        if rank <= 0:  # an empty slot is all zeros
-            continue
-        if len(runs) == 1:
-            rows: slice | torch.Tensor = slice(*runs[0])
-        else:
-            rows = torch.tensor([t for lo, hi in runs for t in range(lo, hi)], dtype=torch.int64, device=device)
-        groups.append((slot, rank, rows))
-    return groups
-
-
-def _add_rows(y: torch.Tensor, rows: slice | torch.Tensor, delta: torch.Tensor) -> None:
+    a [stack*R, in], b[s] [out_s, R]; rows a run (slice) or an index tensor. A run
+    accumulates in place by addmm_ (one op and one rounding per slice); scattered rows are
+    gathered once and their deltas index_add_-ed back.
+    """
+    R = b[0].shape[1]
     if isinstance(rows, slice):
-        y[rows] += delta.to(y.dtype)
-    else:
-        y.index_add_(0, rows, delta.to(y.dtype))
-
-
-def shrink_segments(h: torch.Tensor, x: torch.Tensor, a: torch.Tensor, info: LoRABatchInfo) -> None:
-    """h[t, s*R:s*R+r] = x[t] @ a[l, s*R:s*R+r].T for the tokens t of slot l (rank r); other entries 0.
-
-    h [T, stack*R] (fp32), x [T, in], a [L, stack*R, in].
-    """
-    R = info.max_rank
-    assert a.shape[1] % R == 0 and h.shape == (x.shape[0], a.shape[1]), (h.shape, x.shape, a.shape, R)
-    h.zero_()
-    for slot, rank, rows in _rows_by_slot(info, x.device):
-        xs = x[rows]
-        for s in range(a.shape[1] // R):
-            cols = slice(s * R, s * R + rank)
-            h[rows, cols] = (xs @ a[slot, cols].T).to(h.dtype)
-
-
-def expand_segments(y: torch.Tensor, h: torch.Tensor, b: Sequence[torch.Tensor], offsets: Sequence[int],
-                    info: LoRABatchInfo) -> None:
-    """y[t, offsets[s]:offsets[s+1]] += h[t, s*R:s*R+r] @ b[s][l, :, :r].T for the tokens t of slot l.
-
-    y [T, >= offsets[-1]], h [T, stack*R], b[s] [L, out_s, R].
-    """
-    R = info.max_rank
-    assert len(offsets) == len(b) + 1 and h.shape[1] == len(b) * R, (len(b), offsets, h.shape, R)
-    for slot, rank, rows in _rows_by_slot(info, y.device):
+        h = x[rows] @ a.T
+        out = y[rows]
         for s, b_s in enumerate(b):
-            # In b's dtype: h holds values of a GEMM in that dtype already, so this is as exact
-            # as an fp32 GEMM rounded once, without fp32 copies of b and a [T, out] fp32 delta
-            # (which made a bf16 prefill with LoRA ~2x slower in the expand).
-            delta = h[rows, s * R:s * R + rank].to(b_s.dtype) @ b_s[slot, :, :rank].T
-            _add_rows(y[:, offsets[s]:offsets[s + 1]], rows, delta)
+            out[:, offsets[s]:offsets[s + 1]].addmm_(h[:, s * R:(s + 1) * R], b_s.T)
+        return
+    h = x.index_select(0, rows) @ a.T
+    for s, b_s in enumerate(b):
+        y[:, offsets[s]:offsets[s + 1]].index_add_(0, rows, h[:, s * R:(s + 1) * R] @ b_s.T)
 
 
-def embedding_segments(y: torch.Tensor, ids: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                       info: LoRABatchInfo) -> None:
-    """y[t] += a[l, ids[t], :r] @ b[l, :, :r].T for the tokens t of slot l (rank r).
+def add_lora_segments(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: Sequence[torch.Tensor],
+                      offsets: Sequence[int], info: LoRABatchInfo) -> None:
+    """y[t, offsets[s]:offsets[s+1]] += x[t] @ a[l, s*R:(s+1)*R].T @ b[s][l].T, adapter by adapter."""
+    for group in info.plan.groups:
+        add_lora_rows(y, x, a[group.slot], [b_s[group.slot] for b_s in b], offsets, group.rows)
 
-    y [T, hidden], ids [T], a [L, vocab, R], b [L, hidden, R].
-    """
-    for slot, rank, rows in _rows_by_slot(info, y.device):
-        delta = a[slot, ids[rows], :rank].float() @ b[slot, :, :rank].float().T
-        _add_rows(y, rows, delta)
+
+def add_embedding_segments(y: torch.Tensor, ids: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                           info: LoRABatchInfo) -> None:
+    """y[t] += a[l, ids[t]] @ b[l].T, adapter by adapter; a [L, vocab, R], b [L, hidden, R]."""
+    for group in info.plan.groups:
+        rows = group.rows
+        delta = (a[group.slot, ids[rows]].float() @ b[group.slot].float().T).to(y.dtype)
+        if isinstance(rows, slice):
+            y[rows] += delta
+        else:
+            y.index_add_(0, rows, delta)
 
 
 def shrink_masked(h: torch.Tensor, x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor) -> None:
@@ -139,61 +97,18 @@ def expand_masked(y: torch.Tensor, h: torch.Tensor, b: Sequence[torch.Tensor], o
         y[:, offsets[s]:offsets[s + 1]] += delta.to(y.dtype)
 
 
-def embedding_masked(y: torch.Tensor, ids: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                     token_slots: torch.Tensor) -> None:
-    """y[t] += a[token_slots[t], ids[t]] @ b[token_slots[t]].T; nothing where < 0. Graph-safe.
+def add_lora_masked(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: Sequence[torch.Tensor],
+                    offsets: Sequence[int], info: LoRABatchInfo) -> None:
+    """add_lora by shrink_masked then expand_masked: reads only info.token_slots. Graph-safe."""
+    h = torch.empty(x.shape[0], a.shape[1], dtype=torch.float32, device=x.device)
+    shrink_masked(h, x, a, info.token_slots)
+    expand_masked(y, h, b, offsets, info.token_slots)
 
-    y [T, hidden], ids [T], a [L, vocab, R], b [L, hidden, R], token_slots [T] int64.
-    """
+
+def add_embedding_masked(y: torch.Tensor, ids: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                         info: LoRABatchInfo) -> None:
+    """y[t] += a[token_slots[t], ids[t]] @ b[token_slots[t]].T; nothing where < 0. Graph-safe."""
+    token_slots = info.token_slots
     rows = a[token_slots.clamp(min=0), ids]
     h = torch.where((token_slots >= 0).unsqueeze(1), rows.float(), 0)
     expand_masked(y, h, (b,), (0, b.shape[1]), token_slots)
-
-
-@register_lora_backend("torch_native")
-class TorchNativeBackend:
-    """LoRA for any device; `info.use_graph` picks the graph-safe path over the control-flow one.
-
-    With slot l = info.token_slots[t] (-1: base model, zero delta) and R = info.max_rank:
-        shrink:  h[t, :] = x[t] @ a[l].T
-        expand:  y[t, offsets[s]:offsets[s+1]] += h[t, s*R:(s+1)*R] @ b[s][l].T
-    """
-
-    def shrink(self, h: torch.Tensor, x: torch.Tensor, a: torch.Tensor, info: LoRABatchInfo) -> None:
-        """h [T, stack*R] fp32 = x [T, in] @ a[slot(t)] [stack*R, in].T per token; 0 for base tokens."""
-        if info.use_graph:
-            shrink_masked(h, x, a, info.token_slots)
-        else:
-            shrink_segments(h, x, a, info)
-
-    def expand(self, y: torch.Tensor, h: torch.Tensor, b: Sequence[torch.Tensor], offsets: Sequence[int],
-               info: LoRABatchInfo) -> None:
-        """y[t, offsets[s]:offsets[s+1]] += h[t, s*R:(s+1)*R] @ b[s][slot(t)].T, b[s] [L, out_s, R]."""
-        if info.use_graph:
-            expand_masked(y, h, b, offsets, info.token_slots)
-        else:
-            expand_segments(y, h, b, offsets, info)
-
-    def add_lora(self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: Sequence[torch.Tensor],
-                 offsets: Sequence[int], info: LoRABatchInfo) -> None:
-        """y[t, offsets[s]:offsets[s+1]] += x[t] @ a[l, s*R:(s+1)*R].T @ b[s][l].T with l = slot(t)."""
-        if not info.use_graph:
-            if not info.has_lora:
-                return
-            if x.device.type == "cpu" and cpu_sgmv.add_lora(y, x, a, b, offsets, info):
-                return
-            layout = padded_layout(info.seg_lens_host, info.seg_slots_host, x.device)
-            if layout is not None and x.dtype == a.dtype:
-                add_lora_batched(y, x, a, b, offsets, layout, info.max_rank)
-                return
-        h = torch.empty(x.shape[0], a.shape[1], dtype=torch.float32, device=x.device)
-        self.shrink(h, x, a, info)
-        self.expand(y, h, b, offsets, info)
-
-    def add_embedding_lora(self, y: torch.Tensor, ids: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                           info: LoRABatchInfo) -> None:
-        """y[t] += a[l, ids[t]] @ b[l].T with l = slot(t); y [T, hidden], a [L, vocab, R], b [L, hidden, R]."""
-        if info.use_graph:
-            embedding_masked(y, ids, a, b, info.token_slots)
-        else:
-            embedding_segments(y, ids, a, b, info)

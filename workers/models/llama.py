@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lora.modules import PACKED_MODULES_MAPPING
 from workers.forward_batch import ForwardBatch
 from workers.kv_cache import paged_attention, write_kv
 from workers.models.rope import RotaryEmbedding
@@ -85,6 +86,9 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    # fused module -> the checkpoint modules stacked in it (qkv_proj, gate_up_proj), for the loader
+    packed_modules_mapping = PACKED_MODULES_MAPPING
+
     def __init__(self, cfg, tp: TPGroup, max_positions: int):
         super().__init__()
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:

@@ -13,10 +13,6 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-# checkpoint sub-name -> (our module, shard index within the fused module)
-STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-
 
 def resolve_model_path(model: str) -> Path:
     """A local directory with config.json, or a Hub id resolved through huggingface_hub (offline cache ok)."""
@@ -46,22 +42,24 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def _target(name: str) -> tuple[str, int]:
-    """Checkpoint tensor name -> (our parameter name, shard index)."""
+def _target(name: str, packed: dict[str, list[str]]) -> tuple[str, int]:
+    """Checkpoint tensor name -> (our parameter name, shard index), by the model's packed_modules_mapping."""
     name = name.removeprefix("model.")
-    for sub, (fused, shard) in STACKED.items():
-        if f".{sub}." in name:
-            return name.replace(sub, fused), shard
+    for fused, subs in packed.items():
+        for shard, sub in enumerate(subs):
+            if f".{sub}." in name:
+                return name.replace(sub, fused), shard
     return name, 0
 
 
 def load_weights(model: nn.Module, path: Path) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
+    packed = model.packed_modules_mapping
     loaded: set[str] = set()
     for file in safetensors_files(path):
         with safe_open(os.fspath(file), framework="pt") as f:
             for name in f.keys():
-                target, shard = _target(name)
+                target, shard = _target(name, packed)
                 if target not in params:
                     continue  # e.g. rotary inv_freq buffers in old checkpoints
                 param = params[target]

@@ -1,0 +1,150 @@
+#!/usr/bin/env bash
+# The CUDA check, ready to run unattended on a machine with an NVIDIA GPU (never part of CI):
+#   1. a scratch venv with a CUDA build of the pinned torch and the project's other pins;
+#   2. tests/test_capture.py's CUDA tests (graph capture replays exactly, the LoRA ops inside a
+#      captured graph) and the graph-safe LoRA op tests;
+#   3. one throughput run on CUDA (base, 1 adapter, 8 adapters; bf16, the benchmark checkpoint).
+# It prints each step's result and a summary, and exits non-zero if a step failed.
+#
+#   bash benchmarks/gpu_check.sh                 # from the checkout's root, or from anywhere
+#   TORCH_CUDA_INDEX_URL=<index> bash benchmarks/gpu_check.sh
+#
+# TORCH_CUDA_INDEX_URL: the package index holding the CUDA build of torch (passed to pip as
+# --index-url for torch alone); unset, pip's own configured index, whose Linux torch wheels are
+# CUDA builds. GPU_CHECK_DIR: the scratch directory (default .cache/gpu_check in the checkout;
+# the venv there is reused when its torch already is the pinned CUDA build).
+# GPU_CHECK_BUDGET_S (default 470): the whole run's cap; each step has its own timeout within
+# it, and a step the budget no longer covers is reported as not run. On a fresh box with only
+# the package index reachable most of the time is the download of the CUDA wheels (several GB).
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+SCRATCH="${GPU_CHECK_DIR:-$ROOT/.cache/gpu_check}"
+VENV="$SCRATCH/venv"
+PY="$VENV/bin/python"
+LOG="$SCRATCH/logs"
+TORCH_PIN="torch==2.13.0"
+BUDGET_S="${GPU_CHECK_BUDGET_S:-470}"   # the whole run's wall-clock cap: later steps get what is left
+START=$SECONDS
+declare -a SUMMARY=()
+FAILED=0
+
+say() { printf '[gpu_check %4ds] %s\n' "$((SECONDS - START))" "$*"; }
+record() {   # record NAME STATUS
+    SUMMARY+=("$(printf '%-28s %s' "$1" "$2")")
+    [[ "$2" == ok* ]] || FAILED=1
+}
+step() {     # step NAME TIMEOUT_S COMMAND...: run with a timeout, log to $LOG/NAME.log, show its tail
+    local name="$1" limit="$2" status left
+    shift 2
+    left=$((BUDGET_S - (SECONDS - START)))
+    if ((left < 10)); then record "$name" "NOT RUN: the ${BUDGET_S}s budget is spent"; return 1; fi
+    ((limit > left)) && limit=$left
+    say "$name (timeout ${limit}s)"
+    timeout --kill-after=10 "$limit" "$@" >"$LOG/$name.log" 2>&1
+    status=$?
+    tail -n 15 "$LOG/$name.log" | sed 's/^/    /'
+    if [[ $status -eq 0 ]]; then record "$name" "ok"; elif [[ $status -eq 124 ]]; then
+        record "$name" "TIMED OUT after ${limit}s"; else record "$name" "FAILED (exit $status)"; fi
+    return $status
+}
+finish() {
+    say "summary ($((SECONDS - START)) s in all; logs in $LOG)"
+    printf '    %s\n' "${SUMMARY[@]}"
+    exit "$FAILED"
+}
+
+mkdir -p "$LOG"
+cd "$ROOT" || exit 1
+if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
+    say "no NVIDIA GPU visible (nvidia-smi -L failed): this check needs one"
+    exit 2
+fi
+nvidia-smi -L | sed 's/^/    /'
+
+# The project's pins come from the Makefile (one list); torch is installed on its own, CUDA build.
+PINS=()
+while read -r pin; do [[ -n "$pin" && "$pin" != torch==* ]] && PINS+=("$pin"); done < <(
+    sed -n '/^PINS :=/,/[^\\]$/p' Makefile | sed 's/^PINS :=//; s/\\$//' | tr ' ' '\n')
+if [[ ${#PINS[@]} -lt 5 ]]; then
+    say "could not read PINS from the Makefile (got: ${PINS[*]:-nothing})"
+    exit 1
+fi
+
+have_cuda_torch() {
+    [[ -x "$PY" ]] && "$PY" - <<'EOF' >/dev/null 2>&1
+import torch
+assert torch.__version__.split("+")[0] == "2.13.0" and torch.version.cuda and torch.cuda.is_available()
+EOF
+}
+
+if have_cuda_torch; then
+    say "reusing $VENV (torch 2.13.0 with CUDA)"
+    record "venv" "ok (reused)"
+else
+    PIP=("$PY" -m pip install --quiet --disable-pip-version-check --no-input)
+    INDEX=()
+    [[ -n "${TORCH_CUDA_INDEX_URL:-}" ]] && INDEX=(--index-url "$TORCH_CUDA_INDEX_URL")
+    step venv 60 python3 -m venv "$VENV" || finish
+    step torch_cuda 360 "${PIP[@]}" "${INDEX[@]}" "$TORCH_PIN" || finish
+    # The other pins, torch among them so that pip keeps the CUDA build it already has.
+    step pins 240 "${PIP[@]}" "${PINS[@]}" "$TORCH_PIN" || finish
+    step project 60 "${PIP[@]}" --no-deps -e . || finish
+    have_cuda_torch || { record "torch with CUDA" "FAILED: torch.cuda.is_available() is False"; finish; }
+fi
+"$PY" -c "import torch; print('    torch', torch.__version__, 'CUDA', torch.version.cuda, torch.cuda.get_device_name(0))"
+
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false LORASERVE_BENCH_CACHE="$SCRATCH/bench"
+export TORCHINDUCTOR_CACHE_DIR="$ROOT/.cache/inductor" RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_AUTH_MODE=disabled
+
+# The CUDA tests: graph capture replays the engine exactly, and the LoRA ops inside a captured graph.
+step cuda_tests 180 "$PY" -m pytest -q -p no:cacheprovider tests/test_capture.py -k cuda -rs
+if grep -q "skipped" "$LOG/cuda_tests.log"; then   # torch saw no GPU: the step's "ok" means nothing
+    SUMMARY[${#SUMMARY[@]} - 1]="$(printf '%-28s %s' cuda_tests "FAILED: the CUDA tests were skipped")"
+    FAILED=1
+fi
+# The graph-safe LoRA ops (FakeTensor, torch.compile); those of the CPU kernel need a C compiler.
+GRAPH_TESTS="graph or fake or compile"
+command -v cc >/dev/null 2>&1 || command -v gcc >/dev/null 2>&1 || GRAPH_TESTS="(graph or fake or compile) and torch_masked"
+step lora_graph_ops 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_lora_ops.py -k "$GRAPH_TESTS"
+
+step throughput 240 "$PY" - <<'EOF'
+"""base / 1 adapter / 8 adapters on CUDA, bf16, the benchmark checkpoint; 2 interleaved rounds."""
+import statistics
+
+import torch
+
+from benchmarks.checkpoint import ALL7, build_adapters, build_checkpoint
+from benchmarks.common import FULL, make_prompts, run_requests
+from benchmarks.throughput import adapter_name, workload_adapters
+from workers import EngineConfig, LLMEngine
+
+sizes = FULL
+model = build_checkpoint("bfloat16", sizes.shape)
+paths = build_adapters(8, sizes.shape, sizes.rank)
+engine = LLMEngine(EngineConfig(
+    model=str(model), dtype="bfloat16", device="cuda", max_num_seqs=sizes.batch,
+    max_model_len=sizes.prompt_len + sizes.max_tokens + 16, max_loras_per_batch=sizes.max_loras_per_batch,
+    max_loaded_loras=sizes.max_loaded_loras, max_lora_rank=sizes.rank, kv_cache_memory_gb=2.0,
+    lora_target_modules=ALL7))
+assert engine.executor.runner.graph_runner.graphs, "no CUDA graph was captured"
+for i in range(8):
+    engine.load_adapter(adapter_name(i), str(paths[i]))
+prompts = make_prompts(sizes)
+workloads = ("base", "one", "eight")
+run_requests(engine, prompts, workload_adapters("eight", sizes), sizes.max_tokens)   # warm-up
+results = {w: [] for w in workloads}
+for _ in range(2):
+    for w in workloads:
+        torch.cuda.synchronize()
+        results[w].append(run_requests(engine, prompts, workload_adapters(w, sizes), sizes.max_tokens))
+print(f"{torch.cuda.get_device_name(0)}: {sizes.num_requests} requests x {sizes.max_tokens} tokens, "
+      f"batch {sizes.batch}, rank {sizes.rank}, bf16, CUDA graphs")
+base = statistics.median(t.output_tok_s for t in results["base"])
+for w in workloads:
+    out = statistics.median(t.output_tok_s for t in results[w])
+    decode = statistics.median(t.decode_tok_s for t in results[w])
+    print(f"  {w:>5}: {out:8.1f} out tok/s  {decode:8.1f} decode tok/s  {out / base:5.2f} of base")
+EOF
+
+finish
