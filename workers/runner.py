@@ -152,13 +152,14 @@ class ModelRunner:
 
     def _decode(self, plan: StepPlan) -> torch.Tensor:
         # The graph-safe path reads its own static slot buffer; only the eager path needs host segments.
-        host_lora = None if self.graph_runner.graph_safe else self._lora_info(plan.lora_slots)
+        host_lora = None if self.graph_runner.graph_safe else self._lora_info(plan.lora_slots, "decode")
         return self.graph_runner.decode(plan, host_lora)
 
-    def _lora_info(self, token_slots: list[int]):
+    def _lora_info(self, token_slots: list[int], phase: str = "prefill"):
         if self.slot_pool is None:
             return None
-        return make_batch_info(token_slots, self.slot_pool.slot_ranks, self.config.max_lora_rank, self.device)
+        return make_batch_info(token_slots, self.slot_pool.slot_ranks, self.config.max_lora_rank, self.device,
+                               phase=phase)
 
     def _mixed(self, plan: StepPlan) -> torch.Tensor:
         """Any step that is not a pure decode, eagerly: decode rows first, then prefill chunks."""
