@@ -41,21 +41,27 @@ class ColumnParallelLoRA(_LoRALayer):
     def __init__(self, base: nn.Module, a: torch.Tensor, b: tuple[torch.Tensor, ...], backend: str):
         super().__init__(base, a, b, backend)
         self.offsets = tuple(base.out_offsets)   # fixed per layer: computed once, not every step
+        self.prepared = ops.prepare(backend, a, b, self.offsets)
 
     def forward(self, x: torch.Tensor, lora: LoRABatchInfo | None = None) -> torch.Tensor:
         y = self.base(x)
         if _active(lora):
-            ops.add_lora(y, x, self.lora_a, self.lora_b, self.offsets, lora, self.backend)
+            ops.add_lora(y, x, self.lora_a, self.lora_b, self.offsets, lora, self.backend, prepared=self.prepared)
         return y
 
 
 class RowParallelLoRA(_LoRALayer):
     """y = all_reduce(x_local @ W_local.T + x_local @ A_local.T @ B.T) (A sharded, B replicated)."""
 
+    def __init__(self, base: nn.Module, a: torch.Tensor, b: tuple[torch.Tensor, ...], backend: str):
+        super().__init__(base, a, b, backend)
+        self.offsets = (0, b[0].shape[1])        # the partial sum's width: the layer's output
+        self.prepared = ops.prepare(backend, a, b, self.offsets)
+
     def forward(self, x: torch.Tensor, lora: LoRABatchInfo | None = None) -> torch.Tensor:
         y = self.base.partial(x)
         if _active(lora):
-            ops.add_lora(y, x, self.lora_a, self.lora_b, (0, y.shape[-1]), lora, self.backend)
+            ops.add_lora(y, x, self.lora_a, self.lora_b, self.offsets, lora, self.backend, prepared=self.prepared)
         return self.base.reduce(y)
 
 

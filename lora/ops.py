@@ -64,11 +64,22 @@ def choose_impl(backend: str, device_type: str, phase: str) -> str:
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: Sequence[torch.Tensor], offsets: Sequence[int],
-             info: LoRABatchInfo, backend: str = "torch_native", impl: str | None = None) -> None:
-    """y[t, offsets[s]:offsets[s+1]] += x[t] @ a[l, s*R:(s+1)*R].T @ b[s][l].T with l = info.token_slots[t]."""
+             info: LoRABatchInfo, backend: str = "torch_native", impl: str | None = None,
+             prepared: cpu_sgmv.Prepared | None = None) -> None:
+    """y[t, offsets[s]:offsets[s+1]] += x[t] @ a[l, s*R:(s+1)*R].T @ b[s][l].T with l = info.token_slots[t].
+
+    prepared: the layer's own kernel call (`prepare`), used where the CPU kernel runs eagerly."""
     if x.shape[0] == 0:   # nothing to add (and the NPU kernels' host checks refuse T = 0)
         return
-    IMPLS[impl or choose_impl(backend, x.device.type, info.phase)].add_lora(y, x, a, b, offsets, info)
+    name = impl or choose_impl(backend, x.device.type, info.phase)
+    if name == "cpu_sgmv":
+        return cpu_sgmv.add_lora(y, x, a, b, offsets, info, prepared)
+    IMPLS[name].add_lora(y, x, a, b, offsets, info)
+
+
+def prepare(backend: str, a: torch.Tensor, b: Sequence[torch.Tensor], offsets: Sequence[int]):
+    """A LoRA layer's fixed kernel operands, bound once when it is wrapped (None where no kernel uses them)."""
+    return cpu_sgmv.prepare(a, b, offsets) if a.device.type == "cpu" and backend == "torch_native" else None
 
 
 def add_embedding_lora(y: torch.Tensor, ids: torch.Tensor, a: torch.Tensor, b: torch.Tensor, info: LoRABatchInfo,
