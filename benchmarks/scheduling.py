@@ -33,7 +33,7 @@ class SchedSizes:
     stream_tokens: int = 64
     warm_tokens: int = 8                 # stream tokens before the long prompt arrives
     long_prompt: int = 2000
-    budgets: tuple[int, ...] = (128, 256, 512)
+    budgets: tuple[int, ...] = (64, 128, 256, 512)
     prefix_adapters: int = 8
     prefix_requests: int = 64
     system_len: int = 512

@@ -42,7 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     run.add_argument("--max-loaded-loras", type=int, default=16)
     run.add_argument("--max-model-len", type=int, default=None)
     run.add_argument("--max-num-batched-tokens", type=int, default=None,
-                     help="tokens per engine step, decodes first (default per device: 256 on cpu, 2048 else)")
+                     help="tokens per engine step, decodes first (default per device: 128 on cpu, 2048 else)")
     run.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                      help="run long prompts in chunks beside the running decodes (default: on)")
     run.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,

@@ -48,9 +48,11 @@ PLATFORMS = {
 
 
 # Tokens per step (max_num_batched_tokens) when the config leaves it unset: decodes first, prefill chunks
-# fill the rest. On the CPU a step's time grows with its tokens at ~2 ms each (bench shape, 2 cores), so
-# 256 keeps a mixed step near 100-200 ms beside the decodes; accelerators take vLLM's serving default.
-DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 256, "cuda": 2048, "npu": 2048}
+# fill the rest. On the CPU (bench shape, 2 cores; benchmarks/RESULTS.md "Scheduling") 8 LoRA streams
+# decode in ~70 ms a step and a prompt token adds ~1 ms: 128 keeps a chunk step at ~200-250 ms (256: ~300,
+# 512: ~500-850) and still prefills a 2,000-token prompt faster than one unchunked step; accelerators
+# take vLLM's serving default.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 128, "cuda": 2048, "npu": 2048}
 
 
 def _npu_available() -> bool:
