@@ -4,8 +4,8 @@
 
 Wraps the engine's hot functions with wall-clock accumulators (torch CPU ops are
 synchronous, so this is exact up to the wrapper's own ~1 us per call) and runs the
-same batch under three workloads. "base_linear" is every F.linear of the base layers
-(the LM head included); "other" is the rest of the step (norms, rope, activations,
+same batch under three workloads. "base_linear" is every base layer's matmul (workers.parallel.linear:
+oneDNN with prepacked weights on the CPU; the LM head included); "other" is the rest of the step (norms, rope, activations,
 KV writes, input building, scheduling, detokenization).
 """
 from __future__ import annotations
@@ -24,10 +24,9 @@ PARTS = ("base_linear", "attention", "lora", "sampling")
 @contextmanager
 def timed_parts(totals: dict):
     """Patch the hot functions to add their wall time to totals[part]; restored on exit."""
-    import torch.nn.functional as F
-
     import lora.ops as lora_ops
     import workers.models.llama as llama
+    import workers.parallel as parallel
     import workers.runner as runner
 
     def wrap(fn, part):
@@ -39,7 +38,7 @@ def timed_parts(totals: dict):
                 totals[part] += time.perf_counter() - start
         return timed
 
-    patches = [(F, "linear", "base_linear"), (llama, "paged_attention", "attention"),
+    patches = [(parallel, "linear", "base_linear"), (llama, "paged_attention", "attention"),
                (lora_ops, "add_lora", "lora"), (lora_ops, "add_embedding_lora", "lora"),
                (runner, "sample", "sampling")]
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]

@@ -36,6 +36,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      help="an adapter to load at start (directory or Hub id); repeatable")
     run.add_argument("--tp", type=int, default=1, help="tensor parallel size (devices per replica)")
     run.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "npu"])
+    run.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                     help="weights and activations (auto: bfloat16; float32 on a CPU without bf16 instructions)")
     run.add_argument("--replicas", type=int, default=1, help="LLMServer replicas")
     run.add_argument("--max-lora-rank", type=int, default=64)
     run.add_argument("--max-loras-per-batch", type=int, default=4)
@@ -77,7 +79,7 @@ def config_from_args(args: argparse.Namespace) -> LLMConfig:
             raise SystemExit(f"--lora expects NAME=SOURCE, got {item!r}")
         adapters[name] = source
     return LLMConfig(model=args.model or DEMO_MODEL, adapters=adapters, tensor_parallel_size=args.tp,
-                     device=args.device, num_replicas=args.replicas, max_lora_rank=args.max_lora_rank,
+                     device=args.device, dtype=args.dtype, num_replicas=args.replicas, max_lora_rank=args.max_lora_rank,
                      max_loras_per_batch=args.max_loras_per_batch, max_loaded_loras=args.max_loaded_loras,
                      max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
                      enable_chunked_prefill=args.enable_chunked_prefill,

@@ -60,3 +60,30 @@ def test_eos_and_stop_conditions(model_dir):
     out = LLMEngine(EngineConfig(model=str(path), device="cpu")).generate(
         "Hello", SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop=[stop]))[0]
     assert out.finish_reason == "stop" and out.text == text[:text.find(stop)]
+
+
+def test_prepacked_linears_compute_what_plain_ones_do(model_dir):
+    """On CPU the linear weights are reordered for oneDNN at load; that must not change a token or logprob."""
+    path = str(model_dir("qwen3"))
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    packed = LLMEngine(EngineConfig(model=path, dtype="float32", device="cpu"))
+    assert any(m.weight.is_mkldnn for m in packed.executor.runner.model.modules() if hasattr(m, "weight")) \
+        or not torch.backends.mkldnn.is_available()
+    plain = LLMEngine(EngineConfig(model=path, dtype="float32", device="cpu", prepack_weights=False))
+    a, b = packed.generate(PROMPTS, params), plain.generate(PROMPTS, params)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert max(abs(x - y) for oa, ob in zip(a, b) for x, y in zip(oa.logprobs, ob.logprobs)) < 1e-4
+
+
+def test_dtype_auto_follows_the_checkpoint(model_dir, tmp_path):
+    import json
+    import shutil
+    fp32 = model_dir("qwen3")
+    assert LLMEngine(EngineConfig(model=str(fp32), device="cpu")).runtime.dtype == "float32"
+    bf16 = tmp_path / "bf16"
+    shutil.copytree(fp32, bf16)
+    config = json.loads((bf16 / "config.json").read_text())
+    config["dtype"] = "bfloat16"
+    (bf16 / "config.json").write_text(json.dumps(config))
+    want = "bfloat16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32"
+    assert LLMEngine(EngineConfig(model=str(bf16), device="cpu")).runtime.dtype == want

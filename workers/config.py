@@ -16,7 +16,7 @@ MAX_LOGIT_BIAS = 300     # entries (OpenAI's bound); each request's bias sits in
 @dataclass(frozen=True)
 class EngineConfig:
     model: str                                  # local HF directory or Hub id
-    dtype: str = "auto"                         # auto: float32 on cpu, bfloat16 elsewhere
+    dtype: str = "auto"                         # auto: the checkpoint's (16-bit: bf16; on CPU only with bf16 instructions)
     device: str = "auto"                        # auto | cpu | cuda | npu
     tensor_parallel_size: int = 1
     distributed_executor: str = "auto"          # auto (in-process when TP=1) | inproc | ray
@@ -43,6 +43,8 @@ class EngineConfig:
     allow_hub_adapters: bool | None = None      # Hub ids as sources; default: only without adapter_roots
     lora_max_wait_steps: int = 16               # fairness bound before strict FCFS on the LoRA budget
     adapter_load_timeout_s: float = 120.0       # a disk / Hub read of an adapter taking longer fails
+    # CPU: linear weights reordered once for oneDNN at load (prepack_linears); None = on for the CPU
+    prepack_weights: bool | None = None
     # decode graphs
     enforce_eager: bool = False
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)

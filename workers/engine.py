@@ -97,7 +97,7 @@ class LLMEngine:
 
     def _runtime(self, path, hf_config) -> RuntimeInfo:
         cfg = self.config
-        dtype = cfg.dtype if cfg.dtype != "auto" else ("float32" if self.platform.name == "cpu" else "bfloat16")
+        dtype = cfg.dtype if cfg.dtype != "auto" else self.platform.default_dtype(checkpoint_dtype(hf_config))
         max_model_len = cfg.max_model_len or min(getattr(hf_config, "max_position_embeddings", 4096), 4096)
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
         kv_heads = max(1, hf_config.num_key_value_heads // cfg.tensor_parallel_size)
@@ -272,3 +272,11 @@ def _eos_ids(hf_config, tokenizer) -> set[int]:
         elif isinstance(value, (list, tuple)):
             ids.update(value)
     return ids
+
+
+def checkpoint_dtype(hf_config) -> str | None:
+    """The dtype the checkpoint's config declares ("bfloat16", ...), None when it declares none."""
+    declared = getattr(hf_config, "dtype", None)
+    if declared is None:
+        return None
+    return str(declared).removeprefix("torch.")

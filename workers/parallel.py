@@ -37,6 +37,34 @@ class TPGroup:
         return torch.cat(parts, dim=-1)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias). A weight prepacked for oneDNN (`prepack_linears`) runs through its kernel."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+PACK_BATCH_HINT = 32   # measured (bench shape, 2 cores): the best layout for M = 1 .. 256 alike
+
+
+def prepack_linears(model: nn.Module, batch_hint: int = PACK_BATCH_HINT) -> int:
+    """Reorder every linear weight once into oneDNN's blocked layout (CPU), as vLLM's CPU build does.
+
+    torch's F.linear on the CPU re-lays the weight out on every call and streams a decode step's
+    weights at ~10 GB/s here; packed, ~13 GB/s at M <= 16 and 1.4-1.8x the speed at M = 64-256
+    (prefill chunks). The dense weights are dropped (an LM head tied to the embedding keeps the
+    embedding's dense copy: the lookup needs it). Returns the number of layers packed.
+    """
+    packed = 0
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
+            weight = module.weight.detach()
+            module.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint),
+                                         requires_grad=False)
+            packed += 1
+    return packed
+
+
 def _narrow(tensor_slice, dim: int, start: int, size: int) -> torch.Tensor:
     """Read rows/cols [start, start+size) of dim 0/1 from a safetensors slice or a tensor."""
     index = (slice(start, start + size),) if dim == 0 else (slice(None), slice(start, start + size))
@@ -77,7 +105,7 @@ class ColumnParallelLinear(nn.Module):
         param.data[off:off + size].copy_(_narrow(tensor_slice, 0, start, size))
 
     def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -123,7 +151,7 @@ class RowParallelLinear(nn.Module):
             param.data.copy_(_narrow(tensor_slice, 1, self.tp.rank * self.in_features, self.in_features))
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
     def reduce(self, y: torch.Tensor) -> torch.Tensor:
         y = self.tp.all_reduce(y)
@@ -166,7 +194,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits for this rank's vocabulary shard, gathered to the full vocabulary."""
 
     def partial(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight)
+        return linear(hidden, self.weight)
 
     def gather(self, logits: torch.Tensor) -> torch.Tensor:
         return self.tp.all_gather_last(logits)[..., :self.vocab_size]

@@ -24,7 +24,7 @@ from workers.graph_runner import GraphRunner
 from workers.kv_cache import KVCache, blocks_needed
 from workers.models.llama import LlamaForCausalLM
 from workers.models.loader import load_weights
-from workers.parallel import TPGroup
+from workers.parallel import TPGroup, prepack_linears
 from workers.plan import StepOutput, StepPlan
 from workers.sampler import SamplerState, SamplingTensors, sample
 
@@ -94,6 +94,8 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(previous)
         load_weights(self.model, runtime.model_path)
+        if platform.name == "cpu" and config.prepack_weights is not False:
+            prepack_linears(self.model)
         attn = self.model.layers[0].self_attn
         self.kv_cache = KVCache(cfg.num_hidden_layers, runtime.num_kv_blocks, config.kv_block_size,
                                 attn.num_kv_heads, attn.head_dim, self.dtype, device)
