@@ -215,6 +215,64 @@ def run(sizes: Sizes = FULL, rounds: int = 2, fp32_rounds: int = 2, with_serving
     return data
 
 
+TARGETS = {"bfloat16": {"base": 1.1, "one": 2.5, "eight": 2.5}, "float32": {"base": 1.1, "one": 1.5, "eight": 1.5}}
+LABELS = {"base": "base only", "one": "1 adapter", "eight": "8 adapters"}
+
+
+def target_rows(d: dict, spread, verdict) -> list[tuple[str, str, str, str]]:
+    """RESULTS.md's target rows: offline ours/vLLM per dtype and workload, then the serving latencies."""
+    rows = []
+    for dtype, wanted in TARGETS.items():
+        off = d["offline"].get(dtype)
+        for w, threshold in (wanted.items() if off else ()):
+            per_pair = [p["ratios"][w] for p in off["pairs"]]
+            rows.append((f"ours / vLLM CPU, {LABELS[w]}, {dtype} (out tok/s)", spread(off["ratios"][w], per_pair),
+                         f">= {threshold}", verdict(off["ratios"][w], threshold, per_pair)))
+    serve = d.get("serving")
+    if serve:
+        ours, vllm = serve["ours"], serve["vllm"]
+        tpot = vllm["tpot_ms"]["p50"] / ours["tpot_ms"]["p50"]
+        ttft = vllm["ttft_ms"]["p99"] / ours["ttft_ms"]["p99"]
+        rows.append(("serving TPOT p50: vLLM / ours (HTTP, 8 adapters)",
+                     f"{tpot:.2f} ({vllm['tpot_ms']['p50']:.1f} / {ours['tpot_ms']['p50']:.1f} ms)", ">= 1.0",
+                     verdict(tpot, 1.0)))
+        rows.append(("serving TTFT p99: vLLM / ours", f"{ttft:.2f} ({vllm['ttft_ms']['p99']:.0f} / "
+                     f"{ours['ttft_ms']['p99']:.0f} ms)", "> 1.0", verdict(ttft, 1.0 + 1e-9)))
+    return rows
+
+
+def section(d: dict, table, fmt) -> str:
+    s = d["sizes"]
+    rows = []
+    for dtype, off in d["offline"].items():
+        for w in WORKLOADS:
+            tok = {sys_: median([p["tok_s"][sys_][w] for p in off["pairs"]]) for sys_ in ("ours", "vllm")}
+            rows.append([dtype, LABELS[w], fmt(tok["ours"], ".0f"), fmt(tok["vllm"], ".0f"),
+                         fmt(off["ratios"][w]), ", ".join(fmt(p["ratios"][w]) for p in off["pairs"])])
+    agree = {dtype: [sum(p["agree"][i] for p in off["pairs"]) for i in (0, 1)] for dtype, off in d["offline"].items()}
+    parts = [f"### Peer: {d['vllm']} (its own venv; tcmalloc + libiomp5 preloaded, VLLM_CPU_* set)", "",
+             f"{s['num_requests']} requests x {s['prompt_len']} prompt tokens -> {s['max_tokens']}, greedy, batch "
+             f"{s['batch']}, {s['max_loras_per_batch']} LoRA slots, rank {s['rank']}; LoRA enabled in both; "
+             "each system in processes of its own, alternating, ratios within each pair.", "",
+             table(["dtype", "workload", "ours tok/s", "vLLM tok/s", "ours / vLLM", "per pair"], rows), "",
+             "Greedy tokens equal position by position: " +
+             "; ".join(f"{dtype} {a}/{b}" for dtype, (a, b) in agree.items()) +
+             " (bf16 rounding differs between the two GEMM paths, so long greedy runs drift apart).", ""]
+    for dtype, off in d["offline"].items():
+        parts += [f"vLLM without LoRA ({dtype}, compiled): base {off['vllm_no_lora_base_tok_s']:.0f} tok/s vs "
+                  f"{off['vllm_lora_base_tok_s']:.0f} with LoRA enabled.", ""]
+    serve = d.get("serving")
+    if serve:
+        load = serve["load"]
+        parts += [f"Serving: {load['num_requests']} streamed /v1/completions at {load['rate']} req/s (Poisson), "
+                  f"{load['num_adapters']} adapters, against each system's OpenAI server:", "",
+                  table(["system", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "out tok/s", "failed"],
+                        [[name, fmt(x["ttft_ms"]["p50"], ".0f"), fmt(x["ttft_ms"]["p99"], ".0f"),
+                          fmt(x["tpot_ms"]["p50"], ".1f"), fmt(x["tpot_ms"]["p99"], ".1f"), fmt(x["output_tok_s"], ".1f"),
+                          x["failed"]] for name, x in (("ours", serve["ours"]), ("vLLM", serve["vllm"]))]), ""]
+    return "\n".join(parts)
+
+
 def main(argv=None) -> dict | None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)

