@@ -70,7 +70,8 @@ def main() -> dict:
         init_local_ray(str(work / "ray"), num_cpus=3)
         for mode, kwargs in MODES.items():
             engines[mode] = LLMEngine(EngineConfig(model=str(model), device="cpu", dtype="float32",
-                                                   max_model_len=256, enforce_eager=True, **kwargs))
+                                                   max_model_len=256, enforce_eager=True, cpu_threads=1,
+                                                   **kwargs))
         prompts = PROMPTS[:args.batch]
         for engine in engines.values():   # warm-up round, not recorded
             decode_step_seconds(engine, prompts, 4)

@@ -69,7 +69,7 @@ def make_engine(model_dir: Path, dtype: str, sizes: Sizes, enable_lora: bool = T
         model=str(model_dir), dtype=dtype, device="cpu", seed=sizes.seed, max_num_seqs=sizes.batch,
         max_model_len=sizes.prompt_len + sizes.max_tokens + 16, enable_lora=enable_lora,
         max_loras_per_batch=sizes.max_loras_per_batch, max_loaded_loras=sizes.max_loaded_loras,
-        max_lora_rank=sizes.rank, kv_cache_memory_gb=1.0,
+        max_lora_rank=sizes.rank, kv_cache_memory_gb=1.0, cpu_threads=sizes.threads,
         # The whole batch's prompts in one step, as in every recorded run: these benchmarks time decode
         # (the scheduling benchmark measures chunked prefill on its own, against the engine without it).
         max_num_batched_tokens=max(2048, sizes.batch * sizes.prompt_len),

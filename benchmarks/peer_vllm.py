@@ -82,7 +82,7 @@ def ours_worker(spec_path: str, out_path: str) -> None:
     set_threads(spec["threads"])
     started = time.perf_counter()
     engine = LLMEngine(EngineConfig(model=spec["model"], dtype=spec["dtype"], device="cpu", max_num_seqs=spec["batch"],
-                                    max_model_len=spec["max_model_len"], max_loras_per_batch=spec["max_loras"],
+                                    cpu_threads=spec["threads"], max_model_len=spec["max_model_len"], max_loras_per_batch=spec["max_loras"],
                                     max_loaded_loras=max(spec["max_loras"], len(spec["adapters"])),
                                     max_lora_rank=spec["rank"], lora_target_modules=ALL7, kv_cache_memory_gb=1.0,
                                     max_num_batched_tokens=max(2048, spec["batch"] * spec["max_model_len"])))

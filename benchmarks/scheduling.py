@@ -55,7 +55,7 @@ def make_engine(model, dtype: str, sizes: SchedSizes, paths, **overrides):
     from workers import EngineConfig, LLMEngine
 
     engine = LLMEngine(EngineConfig(model=str(model), dtype=dtype, device="cpu", seed=sizes.seed, max_num_seqs=16,
-                                    max_model_len=4096, max_loras_per_batch=8, max_loaded_loras=16,
+                                    cpu_threads=sizes.threads or None, max_model_len=4096, max_loras_per_batch=8, max_loaded_loras=16,
                                     max_lora_rank=sizes.rank, kv_cache_memory_gb=0.375,   # 12k tokens of the bench model
                                     lora_target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                          "up_proj", "down_proj"), **overrides))

@@ -38,6 +38,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     run.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "npu"])
     run.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                      help="weights and activations (auto: bfloat16; float32 on a CPU without bf16 instructions)")
+    run.add_argument("--cpu-threads", type=int, default=None,
+                     help="device cpu: compute threads per rank (default: the node's CPUs / tp)")
     run.add_argument("--replicas", type=int, default=1, help="LLMServer replicas")
     run.add_argument("--max-lora-rank", type=int, default=64)
     run.add_argument("--max-loras-per-batch", type=int, default=4)
@@ -85,7 +87,8 @@ def config_from_args(args: argparse.Namespace) -> LLMConfig:
                      enable_chunked_prefill=args.enable_chunked_prefill,
                      enable_prefix_caching=args.enable_prefix_caching, api_key=args.api_key,
                      enable_hotload=args.enable_hotload, adapter_roots=args.adapter_root,
-                     placement_timeout_s=args.placement_timeout or None)
+                     placement_timeout_s=args.placement_timeout or None,
+                     engine_kwargs={"cpu_threads": args.cpu_threads} if args.cpu_threads else {})
 
 
 def serve_forever(args: argparse.Namespace) -> int:

@@ -87,3 +87,17 @@ def test_dtype_auto_follows_the_checkpoint(model_dir, tmp_path):
     (bf16 / "config.json").write_text(json.dumps(config))
     want = "bfloat16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32"
     assert LLMEngine(EngineConfig(model=str(bf16), device="cpu")).runtime.dtype == want
+
+
+def test_cpu_threads_is_applied_and_defaults_to_the_process_cpus(model_dir):
+    """In a Ray actor torch would keep Ray's OMP_NUM_THREADS (the actor's num_cpus: 1 for a replica)."""
+    import os
+    from workers.worker import cpu_threads_per_rank
+    before = torch.get_num_threads()
+    try:
+        LLMEngine(EngineConfig(model=str(model_dir("qwen3")), device="cpu", cpu_threads=1))
+        assert torch.get_num_threads() == 1
+        assert cpu_threads_per_rank(1) == len(os.sched_getaffinity(0))
+        assert cpu_threads_per_rank(10_000) == 1
+    finally:
+        torch.set_num_threads(before)

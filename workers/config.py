@@ -45,6 +45,9 @@ class EngineConfig:
     adapter_load_timeout_s: float = 120.0       # a disk / Hub read of an adapter taking longer fails
     # CPU: linear weights reordered once for oneDNN at load (prepack_linears); None = on for the CPU
     prepack_weights: bool | None = None
+    # CPU: compute threads of each rank; None = this process's CPUs / the ranks (in a Ray actor, torch would
+    # otherwise keep the OMP_NUM_THREADS=num_cpus Ray sets: 1 for a replica)
+    cpu_threads: int | None = None
     # decode graphs
     enforce_eager: bool = False
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)

@@ -6,7 +6,10 @@ same class runs as a Ray actor per device rank otherwise (worker_group.py).
 from __future__ import annotations
 
 import functools
+import os
 from typing import Callable
+
+import torch
 
 from lora.adapter import LoRAAdapter, load_adapter, model_spec_from_hf_config
 from workers.config import EngineConfig
@@ -20,6 +23,8 @@ class Worker:
     def __init__(self, config: EngineConfig, runtime: RuntimeInfo, platform: Platform,
                  get_adapter: Callable[[str, str, int], LoRAAdapter], tp: TPGroup = TPGroup(), device_index: int = 0):
         platform.set_device(device_index)
+        if platform.name == "cpu":
+            torch.set_num_threads(config.cpu_threads or cpu_threads_per_rank(config.tensor_parallel_size))
         self.runner = ModelRunner(config, runtime, platform, tp, platform.torch_device(device_index), get_adapter)
 
     def execute(self, plan: StepPlan) -> tuple[list[int], list[float]]:
@@ -57,3 +62,8 @@ def adapter_loader(config: EngineConfig, hf_config) -> Callable[[str, str, int],
                             adapter_roots=config.adapter_roots or None, allow_hub=config.hub_adapters_allowed)
 
     return get_adapter
+
+
+def cpu_threads_per_rank(ranks: int) -> int:
+    """This process's CPUs shared among the ranks (all on one node: the CPU placement packs them)."""
+    return max(1, len(os.sched_getaffinity(0)) // ranks)
