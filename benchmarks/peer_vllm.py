@@ -82,7 +82,8 @@ def ours_worker(spec_path: str, out_path: str) -> None:
     set_threads(spec["threads"])
     started = time.perf_counter()
     engine = LLMEngine(EngineConfig(model=spec["model"], dtype=spec["dtype"], device="cpu", max_num_seqs=spec["batch"],
-                                    cpu_threads=spec["threads"], max_model_len=spec["max_model_len"], max_loras_per_batch=spec["max_loras"],
+                                    cpu_threads=spec["threads"], max_model_len=spec["max_model_len"],
+                                    max_loras_per_batch=spec["max_loras"],
                                     max_loaded_loras=max(spec["max_loras"], len(spec["adapters"])),
                                     max_lora_rank=spec["rank"], lora_target_modules=ALL7, kv_cache_memory_gb=1.0,
                                     max_num_batched_tokens=max(2048, spec["batch"] * spec["max_model_len"])))
@@ -268,7 +269,8 @@ def section(d: dict, table, fmt) -> str:
                   f"{load['num_adapters']} adapters, against each system's OpenAI server:", "",
                   table(["system", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "out tok/s", "failed"],
                         [[name, fmt(x["ttft_ms"]["p50"], ".0f"), fmt(x["ttft_ms"]["p99"], ".0f"),
-                          fmt(x["tpot_ms"]["p50"], ".1f"), fmt(x["tpot_ms"]["p99"], ".1f"), fmt(x["output_tok_s"], ".1f"),
+                          fmt(x["tpot_ms"]["p50"], ".1f"), fmt(x["tpot_ms"]["p99"], ".1f"),
+                          fmt(x["output_tok_s"], ".1f"),
                           x["failed"]] for name, x in (("ours", serve["ours"]), ("vLLM", serve["vllm"]))]), ""]
     return "\n".join(parts)
 

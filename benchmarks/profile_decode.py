@@ -4,9 +4,10 @@
 
 Wraps the engine's hot functions with wall-clock accumulators (torch CPU ops are
 synchronous, so this is exact up to the wrapper's own ~1 us per call) and runs the
-same batch under three workloads. "base_linear" is every base layer's matmul (workers.parallel.linear:
-oneDNN with prepacked weights on the CPU; the LM head included); "other" is the rest of the step (norms, rope, activations,
-KV writes, input building, scheduling, detokenization).
+same batch under three workloads. "base_linear" is every base layer's matmul
+(workers.parallel.linear: oneDNN with prepacked weights on the CPU; the LM head included);
+"other" is the rest of the step (norms, rope, activations, KV writes, input building,
+scheduling, detokenization).
 """
 from __future__ import annotations
 

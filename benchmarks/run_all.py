@@ -27,8 +27,8 @@ STEPS = ("checkpoint", "throughput", "fp32", "peer", "bandwidth", "profile", "ho
          "vllm")
 
 
-def run_all(sizes: Sizes = FULL, results: Path = RESULTS, out: Path | None = None, skip=("serving", "vllm"), note: str = "",
-            plots: bool = True, log=print) -> dict:
+def run_all(sizes: Sizes = FULL, results: Path = RESULTS, out: Path | None = None, skip=("serving", "vllm"),
+            note: str = "", plots: bool = True, log=print) -> dict:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     results.mkdir(parents=True, exist_ok=True)

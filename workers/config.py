@@ -16,7 +16,7 @@ MAX_LOGIT_BIAS = 300     # entries (OpenAI's bound); each request's bias sits in
 @dataclass(frozen=True)
 class EngineConfig:
     model: str                                  # local HF directory or Hub id
-    dtype: str = "auto"                         # auto: the checkpoint's (16-bit: bf16; on CPU only with bf16 instructions)
+    dtype: str = "auto"                         # auto: the checkpoint's (16-bit: bf16; CPU: with bf16 instructions)
     device: str = "auto"                        # auto | cpu | cuda | npu
     tensor_parallel_size: int = 1
     distributed_executor: str = "auto"          # auto (in-process when TP=1) | inproc | ray

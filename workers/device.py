@@ -37,7 +37,7 @@ class Platform:
 
     def default_dtype(self, checkpoint_dtype: str | None) -> str:
         """`dtype: auto`: the checkpoint's dtype (as HF's `dtype="auto"`), 16-bit ones made bf16 on a CPU that
-        has bf16 instructions (AVX512-BF16 / AMX: oneDNN's bf16 GEMMs run ~2.5x its fp32 ones) and fp32 on one
+        has bf16 instructions (AVX512-BF16 / AMX: oneDNN's bf16 GEMMs run 2-5x its fp32 ones) and fp32 on one
         without (bf16 would be emulated, slower). fp32 checkpoints stay fp32: `--dtype bfloat16` opts in."""
         if checkpoint_dtype not in ("float16", "bfloat16"):
             return "float32" if self.name == "cpu" or checkpoint_dtype == "float32" else "bfloat16"
