@@ -18,12 +18,18 @@ def test_hash_chain_names_the_whole_prefix_and_the_weights():
     assert extend_hashes(grown, hash_root(""), list(range(12)), BS, 12) == a   # extends in place
 
 
+def cached(pool: BlockPool, hashes: list) -> list[int]:
+    """New blocks holding these full blocks' KV, registered under their hashes."""
+    blocks = pool.allocate(len(hashes))
+    for block, h in zip(blocks, hashes):
+        pool.register(block, h)
+    return blocks
+
+
 def test_match_take_release_share_blocks_by_reference():
     pool = BlockPool(9)
     hashes = chain(list(range(12)))
-    first = pool.allocate(3)
-    for block, h in zip(first, hashes):
-        pool.register(block, h)
+    first = cached(pool, hashes)
     assert pool.match(hashes) == first and pool.num_free == 5
     pool.take(first[:2])                        # a second request shares the first two blocks
     pool.release(first)                         # the first request ends
@@ -35,12 +41,7 @@ def test_match_take_release_share_blocks_by_reference():
 def test_allocation_evicts_least_recently_freed_and_uncached_first():
     pool = BlockPool(5)                          # 4 usable blocks
     old, new = chain([1] * 8), chain([2] * 8)
-    a = pool.allocate(2)
-    b = pool.allocate(2)
-    for block, h in zip(a, old):
-        pool.register(block, h)
-    for block, h in zip(b, new):
-        pool.register(block, h)
+    a, b = cached(pool, old), cached(pool, new)
     pool.release(a)                              # freed first: evicted first
     pool.release(b)
     taken = pool.allocate(2)
@@ -52,9 +53,7 @@ def test_allocation_evicts_least_recently_freed_and_uncached_first():
 def test_a_sequence_tail_is_evicted_before_its_shared_head():
     pool = BlockPool(4)
     hashes = chain(list(range(12)))
-    blocks = pool.allocate(3)
-    for block, h in zip(blocks, hashes):
-        pool.register(block, h)
+    blocks = cached(pool, hashes)
     pool.release(blocks)
     pool.allocate(1)
     assert pool.match(hashes) == blocks[:2]      # the last block went; the prefix still hits
