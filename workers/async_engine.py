@@ -28,6 +28,7 @@ from workers.config import EngineConfig, SamplingParams
 from workers.engine import LLMEngine, Prompt
 from workers.output import RequestState
 from workers.sequence import RequestOutput, TokenDelta
+from workers.stream import RequestStream
 from workers.tokenizer import PromptEncoder, load_tokenizer
 
 BUSY_WAIT_S = 0.001   # pause when work exists but nothing could run (an adapter is loading)
@@ -41,46 +42,6 @@ class RequestError(RuntimeError):
     """The engine ended this request with an error (its message says why)."""
 
 
-class _Stream:
-    """Deltas of one request not read yet, handed from the step thread to the caller's event loop."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self.pending: list[TokenDelta] = []
-        self.error: BaseException | None = None
-        self.ended = False
-        self.ready = asyncio.Event()
-
-    def put(self, item: TokenDelta | BaseException) -> None:
-        """Runs on the event loop. An error or a finished delta is final: nothing comes after it."""
-        if self.ended:
-            return
-        if isinstance(item, BaseException):
-            self.error, self.ended = item, True
-        else:
-            self.pending.append(item)
-            self.ended = item.finished
-        self.ready.set()
-
-    def call_threadsafe(self, fn: Callable, *args) -> None:
-        try:
-            self.loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:   # the caller's loop is closed: nobody is reading any more
-            pass
-
-    def put_threadsafe(self, item: TokenDelta | BaseException) -> None:
-        self.call_threadsafe(self.put, item)
-
-    async def get(self) -> list[TokenDelta]:
-        """Every delta since the last call (at least one); an error at once (what it cut short is moot)."""
-        await self.ready.wait()
-        self.ready.clear()
-        if self.error is not None:
-            raise self.error
-        items, self.pending = self.pending, []
-        return items
-
-
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
@@ -89,7 +50,7 @@ class AsyncLLMEngine:
         self.decode_tokenizer = load_tokenizer(path)   # readers' only (their incremental text, token names)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, RequestStream] = {}
         self._streams_lock = threading.Lock()
         self._ids = itertools.count()
         self._active: set[str] = set()   # added and not yet seen finished; step thread only
@@ -123,7 +84,7 @@ class AsyncLLMEngine:
                 raise ValueError("prompt is empty")
             prompt = await self.encoder.encode(prompt)
         state = RequestState(request_id, list(prompt), params, self.decode_tokenizer, adapter)
-        stream = _Stream(asyncio.get_running_loop())
+        stream = RequestStream(asyncio.get_running_loop())
         with self._streams_lock:
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
