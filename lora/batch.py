@@ -15,11 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-PHASES = ("prefill", "decode", "graph")   # what lora.ops.choose_impl picks by
-# An adapter with this many tokens in the step (a prompt, say) goes to torch's GEMMs on CPU:
-# blocked and multi-threaded, they beat the C kernel there (1024 tokens of one adapter: 2.8
-# against 8.7 ms a layer); with fewer, the kernel wins (32 decode tokens: ~60 against ~130 us).
-GEMM_MIN_TOKENS = 64
+PHASES = ("prefill", "decode", "graph")   # what a backend's layer ops are chosen by
 
 
 @dataclass(frozen=True)
@@ -67,38 +63,40 @@ class KernelGroups:
 class LoRAPlan:
     """A step's tokens grouped by adapter (base tokens and empty slots left out)."""
     groups: tuple[AdapterRows, ...]        # every adapter present: torch GEMMs per adapter
-    kernel: KernelGroups | None = None     # on CPU: the adapters with < GEMM_MIN_TOKENS tokens ...
+    kernel: KernelGroups | None = None     # the cpu backend: the adapters with few tokens ...
     gemm: tuple[AdapterRows, ...] = ()     # ... and the others, which torch's GEMMs do better
 
 
 @dataclass
 class LoRABatchInfo:
-    token_slots: torch.Tensor          # [T] int64, slot per token, -1 = base
-    seg_lens: torch.Tensor             # [S] int64
-    seg_slots: torch.Tensor            # [S] int64
-    seg_lens_host: tuple[int, ...]
-    seg_slots_host: tuple[int, ...]
-    slot_ranks_host: tuple[int, ...]   # [num_slots] effective rank, 0 = empty slot
-    max_rank: int
+    """A backend fills only the fields its ops read (lora/backends/*.py `batch_info`);
+    `make_batch_info` fills them all (tests, references)."""
+    token_slots: torch.Tensor | None = None   # [T] int64 on the device, slot per token, -1 = base
+    seg_lens: torch.Tensor | None = None      # [S] int64 on the device (sgmv kernels)
+    seg_slots: torch.Tensor | None = None     # [S] int64 on the device
+    seg_lens_host: tuple[int, ...] = ()
+    seg_slots_host: tuple[int, ...] = ()
+    slot_ranks_host: tuple[int, ...] = ()     # [num_slots] effective rank, 0 = empty slot
+    max_rank: int = 0
     use_graph: bool = False            # the graph phase: only token_slots may be read
     phase: str = "prefill"             # prefill | decode (eager) | graph (set by use_graph)
-    plan: LoRAPlan | None = None       # eager phases: built from the host lists if not given
+    plan: LoRAPlan | None = None       # eager torch / cpu ops: built from the host lists if they are given
+    any_lora: bool | None = None       # host-side: a token of the step has an adapter (None: from the plan)
 
     def __post_init__(self):
         if self.use_graph or self.phase == "graph":
             self.use_graph, self.phase = True, "graph"
         elif self.phase not in PHASES:
             raise ValueError(f"LoRA phase must be one of {PHASES}, got {self.phase!r}")
-        elif self.plan is None:
+        elif self.plan is None and self.seg_lens_host:
             self.plan = plan_step(self.seg_lens_host, self.seg_slots_host, self.slot_ranks_host, self.max_rank,
-                                  self.token_slots.device)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.token_slots.shape[0]
+                                  self.token_slots.device if self.token_slots is not None else "cpu")
 
     @property
     def has_lora(self) -> bool:
+        """Whether an eager step has anything to add (the graph phase always runs its ops)."""
+        if self.any_lora is not None:
+            return self.any_lora
         return self.plan is not None and bool(self.plan.groups)
 
 
@@ -116,8 +114,9 @@ def segments(token_slots: list[int]) -> tuple[list[int], list[int]]:
 
 
 def plan_step(seg_lens: tuple[int, ...], seg_slots: tuple[int, ...], slot_ranks: tuple[int, ...], max_rank: int,
-              device: torch.device | str = "cpu", gemm_min_tokens: int = GEMM_MIN_TOKENS) -> LoRAPlan:
-    """The step's plan from its segments; on the CPU also split for the C kernel at `gemm_min_tokens`.
+              device: torch.device | str = "cpu", gemm_min_tokens: int | None = None) -> LoRAPlan:
+    """The step's plan from its segments; with `gemm_min_tokens` (the cpu backend) also split for the C
+    kernel: adapters with fewer tokens go to `kernel`, the others to `gemm`.
 
     Every index is a view of one tensor built here (one host->device copy a step, not one a group).
     """
@@ -130,8 +129,8 @@ def plan_step(seg_lens: tuple[int, ...], seg_slots: tuple[int, ...], slot_ranks:
     ranks = {slot: min(slot_ranks[slot] if slot < len(slot_ranks) else max_rank, max_rank) for slot in runs}
     count = {slot: sum(hi - lo for lo, hi in spans) for slot, spans in runs.items()}
     present = [slot for slot in runs if ranks[slot] > 0]        # an empty slot adds exactly zero
-    on_cpu = torch.device(device).type == "cpu"
-    few = [slot for slot in present if on_cpu and count[slot] < gemm_min_tokens]
+    split = gemm_min_tokens is not None
+    few = [slot for slot in present if split and count[slot] < gemm_min_tokens]
     many = [slot for slot in present if slot not in few]
     order = few + many                                          # the kernel's groups: a prefix
     starts = [0]
@@ -145,13 +144,13 @@ def plan_step(seg_lens: tuple[int, ...], seg_slots: tuple[int, ...], slot_ranks:
                                 else rows[starts[i]:starts[i + 1]]) for i, slot in enumerate(order)}
     G = len(few)
     kernel = KernelGroups(index[:3 * G + 1 + starts[G]], G) if few else None
-    return LoRAPlan(tuple(groups[slot] for slot in present), kernel, tuple(groups[slot] for slot in many if on_cpu))
+    return LoRAPlan(tuple(groups[slot] for slot in present), kernel, tuple(groups[slot] for slot in many if split))
 
 
 def make_batch_info(token_slots: list[int], slot_ranks: list[int], max_rank: int,
                     device: torch.device | str = "cpu", use_graph: bool = False,
-                    phase: str | None = None) -> LoRABatchInfo:
-    """Build the batch info from host data (the step plan); one host→device copy for its index tensors.
+                    phase: str | None = None, gemm_min_tokens: int | None = None) -> LoRABatchInfo:
+    """Every field of the batch info from host data (tests and references; backends build their own).
 
     phase: "prefill" (the default; also right for a step mixing prompts and decodes) or
     "decode" (one token per sequence); use_graph=True is the graph phase.
@@ -159,8 +158,10 @@ def make_batch_info(token_slots: list[int], slot_ranks: list[int], max_rank: int
     lens, slots = segments(token_slots)
     T, S = len(token_slots), len(lens)
     packed = torch.tensor([*token_slots, *lens, *slots], dtype=torch.int64, device=device)   # one copy, three views
+    plan = None if use_graph else plan_step(tuple(lens), tuple(slots), tuple(slot_ranks), max_rank, device,
+                                            gemm_min_tokens)
     return LoRABatchInfo(
         token_slots=packed[:T], seg_lens=packed[T:T + S], seg_slots=packed[T + S:],
         seg_lens_host=tuple(lens), seg_slots_host=tuple(slots),
         slot_ranks_host=tuple(slot_ranks), max_rank=max_rank, use_graph=use_graph,
-        phase="graph" if use_graph else phase or "prefill")
+        phase="graph" if use_graph else phase or "prefill", plan=plan)

@@ -5,14 +5,15 @@ column-parallel layers expose `out_offsets` and `forward(x)`; row-parallel
 ones `partial(x)` and `reduce(y)`, so the delta joins the partial sum before
 the layer's single all-reduce; the LM head exposes `partial` and `gather`.
 Buffers come from the SlotPool and never move, so captured graphs stay valid.
-Which module gets which wrapper is lora/modules.py's table; the maths is lora/ops.py's.
+Which module gets which wrapper is lora/modules.py's table; each layer's op is its
+backend's (lora/backends/), bound once here.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from lora import ops
+from lora.backends.base import LayerLoRA, LoRABackend
 from lora.batch import LoRABatchInfo
 from lora.modules import PACKED_MODULES
 
@@ -23,9 +24,9 @@ def _active(lora: LoRABatchInfo | None) -> bool:
 
 
 class _LoRALayer(nn.Module):
-    def __init__(self, base: nn.Module, a: torch.Tensor, b: tuple[torch.Tensor, ...], backend: str):
+    def __init__(self, base: nn.Module, a: torch.Tensor, b: tuple[torch.Tensor, ...], op: LayerLoRA):
         super().__init__()
-        self.base, self.backend = base, backend
+        self.base, self.op = base, op
         self.lora_a, self.lora_b = a, b
 
     def __getattr__(self, name):
@@ -38,30 +39,20 @@ class _LoRALayer(nn.Module):
 class ColumnParallelLoRA(_LoRALayer):
     """y_local = base(x) + x @ A.T @ B_local.T, per stacked slice (A replicated, B sharded)."""
 
-    def __init__(self, base: nn.Module, a: torch.Tensor, b: tuple[torch.Tensor, ...], backend: str):
-        super().__init__(base, a, b, backend)
-        self.offsets = tuple(base.out_offsets)   # fixed per layer: computed once, not every step
-        self.prepared = ops.prepare(backend, a, b, self.offsets)
-
     def forward(self, x: torch.Tensor, lora: LoRABatchInfo | None = None) -> torch.Tensor:
         y = self.base(x)
         if _active(lora):
-            ops.add_lora(y, x, self.lora_a, self.lora_b, self.offsets, lora, self.backend, prepared=self.prepared)
+            self.op(y, x, lora)
         return y
 
 
 class RowParallelLoRA(_LoRALayer):
     """y = all_reduce(x_local @ W_local.T + x_local @ A_local.T @ B.T) (A sharded, B replicated)."""
 
-    def __init__(self, base: nn.Module, a: torch.Tensor, b: tuple[torch.Tensor, ...], backend: str):
-        super().__init__(base, a, b, backend)
-        self.offsets = (0, b[0].shape[1])        # the partial sum's width: the layer's output
-        self.prepared = ops.prepare(backend, a, b, self.offsets)
-
     def forward(self, x: torch.Tensor, lora: LoRABatchInfo | None = None) -> torch.Tensor:
         y = self.base.partial(x)
         if _active(lora):
-            ops.add_lora(y, x, self.lora_a, self.lora_b, self.offsets, lora, self.backend, prepared=self.prepared)
+            self.op(y, x, lora)
         return self.base.reduce(y)
 
 
@@ -71,7 +62,7 @@ class EmbeddingLoRA(_LoRALayer):
     def forward(self, ids: torch.Tensor, lora: LoRABatchInfo | None = None) -> torch.Tensor:
         y = self.base(ids)
         if _active(lora):
-            ops.add_embedding_lora(y, ids, self.lora_a, self.lora_b[0], lora, self.backend)
+            self.op(y, ids, lora)
         return y
 
 
@@ -81,15 +72,20 @@ class LMHeadLoRA(_LoRALayer):
     def forward(self, h: torch.Tensor, lora: LoRABatchInfo | None = None) -> torch.Tensor:
         y = self.base.partial(h)
         if _active(lora):
-            ops.add_lora(y, h, self.lora_a, self.lora_b, (0, y.shape[-1]), lora, self.backend)
+            self.op(y, h, lora)
         return self.base.gather(y)
 
 
-def wrap_model(model: nn.Module, buffers: dict, backend: str) -> None:
-    """Replace each targeted module of `model` by its LoRA wrapper over the slot-pool buffers.
+def _offsets(base: nn.Module, parallel: str, b: tuple[torch.Tensor, ...]) -> tuple[int, ...]:
+    """Where each stacked slice's delta goes in the layer's (local) output: fixed per layer."""
+    if parallel == "column":
+        return tuple(base.out_offsets)
+    return (0, b[0].shape[1])   # row: the partial sum's width; lm_head: this rank's padded vocab shard
 
-    backend: a name of lora.ops.LORA_BACKENDS, passed to every op call.
-    """
+
+def wrap_model(model: nn.Module, buffers: dict, backend: LoRABackend) -> None:
+    """Replace each targeted module of `model` by its LoRA wrapper over the slot-pool buffers, its op
+    bound by `backend` (which decides there, once per layer, whether its kernels take it)."""
     kinds = {"column": ColumnParallelLoRA, "row": RowParallelLoRA, "embedding": EmbeddingLoRA,
              "lm_head": LMHeadLoRA}
     for group in PACKED_MODULES:
@@ -100,4 +96,7 @@ def wrap_model(model: nn.Module, buffers: dict, backend: str) -> None:
             parent_path, _, attr = (group.path or group.name).rpartition(".")
             parent = owner.get_submodule(parent_path)
             a, b = buffers[(index, group.name)]
-            setattr(parent, attr, kinds[group.parallel](getattr(parent, attr), a, b, backend))
+            base, name = getattr(parent, attr), f"{index}.{group.name}"
+            op = (backend.bind_embedding(name, a, b[0]) if group.parallel == "embedding"
+                  else backend.bind(name, a, b, _offsets(base, group.parallel, b)))
+            setattr(parent, attr, kinds[group.parallel](base, a, b, op))

@@ -20,7 +20,7 @@ import torch
 
 from lora.backends import cpu_sgmv
 from lora.batch import KernelGroups
-from lora_reference import make_linear_buffers, ref_add_lora
+from lora_reference import OpLog, make_linear_buffers, ref_add_lora
 
 TOKEN_PATTERNS = {
     "singles": list(range(16)) + [-1, 3],                   # 15 adapters (5, 13 empty), one token each but 3
@@ -106,8 +106,7 @@ def test_per_token_entry_matches_reference(pattern, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_step_split_between_torch_and_the_kernel_matches_reference(dtype):
-    from lora import ops
-    from lora.batch import GEMM_MIN_TOKENS, make_batch_info
+    from lora.backends.cpu import GEMM_MIN_TOKENS, CpuBackend
     many = GEMM_MIN_TOKENS
     ranks = [16, 8, 1, 3, 15, 16, 16, 2]
     a, b, offsets = make_linear_buffers(ranks, 16, IN_DIM, OUT_SIZES, dtype, torch.Generator().manual_seed(9))
@@ -115,11 +114,14 @@ def test_a_step_split_between_torch_and_the_kernel_matches_reference(dtype):
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(len(token_slots), IN_DIM, generator=gen).to(dtype)
     y = torch.randn(len(token_slots), offsets[-1], generator=gen).to(dtype)
-    info = make_batch_info(token_slots, ranks, 16)
+    backend = CpuBackend("cpu", dtype, 16)
+    info = backend.batch_info(token_slots, ranks, "prefill")
     assert [g.slot for g in info.plan.gemm] == [0, 5] and info.plan.kernel.slot.tolist() == [3, 7]
     assert info.plan.gemm[0].rows == slice(0, many)
     expected = ref_add_lora(y.double(), x, a, b, offsets, token_slots)
-    ops.add_lora(y, x, a, b, offsets, info, impl="cpu_sgmv")
+    with OpLog() as log:
+        backend.bind("0.qkv_proj", a, b, offsets)(y, x, info)
+    assert "aten::addmm_" in log.names and not backend.fallbacks   # the GEMM groups; the kernel by its prepared call
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=6e-2)
     torch.testing.assert_close(y.double(), expected, **tol)
 
@@ -168,17 +170,18 @@ def _run_python(code: str, **env) -> subprocess.CompletedProcess:
 
 
 FALLBACK = """
-import torch
-from lora import ops
-from lora.backends import cpu_sgmv
-from lora.batch import make_batch_info
+import pytest, torch
+from lora.backends import cpu_sgmv, get_backend
 from lora_reference import make_lora_case, ref_add_lora
 assert not cpu_sgmv.available()
-assert [ops.choose_impl("torch_native", "cpu", p) for p in ("prefill", "decode", "graph")] == [
-    "torch_segments", "torch_masked", "torch_masked"]
+backend = get_backend(None, "cpu", torch.float32, 8)       # the CPU's default: cpu, without its kernel
+assert backend.name == "torch_native", backend.name
+with pytest.raises(RuntimeError, match="lora_backend 'cpu': the CPU LoRA kernel is unavailable"):
+    get_backend("cpu", "cpu", torch.float32, 8)            # asked for by name: refused at start-up
 case = make_lora_case("uniform", [1] * 12, (24, 8, 8), seed=4)
 expected = ref_add_lora(case.y.clone(), case.x, case.a, case.b, case.offsets, case.token_slots)
-ops.add_lora(case.y, case.x, case.a, case.b, case.offsets, make_batch_info(case.token_slots, case.ranks, case.max_rank))
+op = backend.bind("0.qkv_proj", case.a, case.b, case.offsets)
+op(case.y, case.x, backend.batch_info(case.token_slots, case.ranks, "decode"))
 torch.testing.assert_close(case.y, expected, rtol=1e-5, atol=1e-5)
 """
 
@@ -193,6 +196,7 @@ def test_without_a_compiler_the_torch_ops_do_the_work_and_a_warning_says_why(tmp
                        PYTHONPATH="tests")
     assert done.returncode == 0, done.stderr
     assert "CPU kernel cpu_sgmv.c unavailable" in done.stderr
+    assert done.stderr.count("running torch_native") == 1, done.stderr
 
 
 def test_more_stacked_slices_than_the_fast_path_holds():

@@ -5,6 +5,7 @@ import math
 from dataclasses import dataclass, field
 
 from lora.modules import SUPPORTED_MODULES as SUPPORTED_LORA_MODULES
+from lora.backends import BACKENDS as LORA_BACKENDS
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 GREEDY_BELOW = 1e-5      # temperatures under this sample greedily (vLLM's rule): 1/T would overflow to NaN
 MAX_STOP_STRINGS = 16    # each one is searched for after every token
@@ -38,7 +39,7 @@ class EngineConfig:
     max_loaded_loras: int = 16
     max_lora_rank: int = 64
     lora_target_modules: tuple[str, ...] = SUPPORTED_LORA_MODULES
-    lora_backend: str | None = None             # default: the platform's (ascend on npu)
+    lora_backend: str | None = None             # torch_native / cpu / ascend; default: the device's (lora.backends)
     adapter_roots: tuple[str, ...] = ()         # allowed local adapter dirs; empty = any
     allow_hub_adapters: bool | None = None      # Hub ids as sources; default: only without adapter_roots
     lora_max_wait_steps: int = 16               # fairness bound before strict FCFS on the LoRA budget
@@ -71,6 +72,8 @@ class EngineConfig:
         need(self.device_resource is None or (isinstance(self.device_resource, str) and self.device_resource != ""),
              f"device_resource must be a Ray resource name or None, got {self.device_resource!r}")
         need(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
+        need(self.lora_backend in (None, *LORA_BACKENDS),
+             f"lora_backend must be one of {', '.join(LORA_BACKENDS)} (or unset), got {self.lora_backend!r}")
         need(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2")
         need(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= self.max_num_seqs,
              f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "

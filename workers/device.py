@@ -14,7 +14,6 @@ class Platform:
     dist_backend: str            # torch.distributed backend
     ray_resource: str            # Ray resource one worker asks for (EngineConfig.device_resource may rename it)
     visible_devices_env: str | None
-    default_lora_backend: str
     supports_graphs: bool
 
     def torch_device(self, index: int = 0) -> torch.device:
@@ -51,9 +50,9 @@ class Platform:
 
 
 PLATFORMS = {
-    "cpu": Platform("cpu", "gloo", "CPU", None, "torch_native", False),
-    "cuda": Platform("cuda", "nccl", "GPU", "CUDA_VISIBLE_DEVICES", "torch_native", True),
-    "npu": Platform("npu", "hccl", "NPU", "ASCEND_RT_VISIBLE_DEVICES", "ascend", True),
+    "cpu": Platform("cpu", "gloo", "CPU", None, False),
+    "cuda": Platform("cuda", "nccl", "GPU", "CUDA_VISIBLE_DEVICES", True),
+    "npu": Platform("npu", "hccl", "NPU", "ASCEND_RT_VISIBLE_DEVICES", True),
 }
 
 

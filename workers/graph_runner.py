@@ -17,12 +17,12 @@ from workers.plan import StepPlan
 
 
 class GraphRunner:
-    def __init__(self, model, kv_cache, platform, device, config, max_model_len: int, capture: bool, graph_safe: bool):
+    def __init__(self, model, kv_cache, platform, device, config, max_model_len: int, capture: bool, graph_safe: bool,
+                 lora_backend=None):
         self.model, self.kv_cache, self.platform, self.device = model, kv_cache, platform, device
         self.block_size = config.kv_block_size
         self.capture, self.graph_safe = capture, graph_safe
-        self.lora_enabled = config.enable_lora
-        self.max_lora_rank = config.max_lora_rank
+        self.lora_backend = lora_backend   # None: LoRA off
         self.buckets = sorted({b for b in config.graph_batch_sizes if b < config.max_num_seqs} | {config.max_num_seqs})
         n, self.width = self.buckets[-1], blocks_needed(max_model_len, self.block_size)
         i64 = dict(dtype=torch.int64, device=device)
@@ -32,7 +32,6 @@ class GraphRunner:
         self.context_lens = torch.ones(n, **i64)
         self.block_tables = torch.zeros(n, self.width, **i64)
         self.token_slots = torch.full((n,), -1, **i64)
-        self.ones = torch.ones(n, **i64)
         self.logits_indices = torch.arange(n, **i64)
         self.graphs: dict[int, tuple[object, torch.Tensor]] = {}
         if capture:
@@ -42,11 +41,9 @@ class GraphRunner:
         return next(b for b in self.buckets if b >= num_seqs)
 
     def _graph_lora(self, b: int) -> LoRABatchInfo | None:
-        if not self.lora_enabled:
+        if self.lora_backend is None:
             return None
-        slots = self.token_slots[:b]   # one segment per token keeps segment tensors fixed-size too
-        return LoRABatchInfo(token_slots=slots, seg_lens=self.ones[:b], seg_slots=slots, seg_lens_host=(),
-                             seg_slots_host=(), slot_ranks_host=(), max_rank=self.max_lora_rank, use_graph=True)
+        return self.lora_backend.graph_info(self.token_slots[:b])
 
     def _batch(self, b: int, width: int, lora: LoRABatchInfo | None) -> ForwardBatch:
         return ForwardBatch(input_ids=self.input_ids[:b], positions=self.positions[:b],

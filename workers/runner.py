@@ -12,11 +12,11 @@ from typing import Callable
 import torch
 
 from lora.adapter import LoRAAdapter
-from lora.batch import make_batch_info
+from lora.backends import get_backend
 from lora.layers import wrap_model
 from lora.modules import MODULE_GROUPS, PACKED_MODULES
-from lora.ops import prepare_backend
 from lora.slots import GroupShape, SlotPool
+from lora.transfer import to_device
 from workers.config import MAX_LOGIT_BIAS, EngineConfig
 from workers.device import Platform
 from workers.forward_batch import ForwardBatch, PrefillChunk
@@ -102,11 +102,13 @@ class ModelRunner:
         self.vocab_size = cfg.vocab_size
         self.sampler_state = SamplerState(config.max_num_seqs, cfg.vocab_size, MAX_LOGIT_BIAS, device)
         self.get_adapter = get_adapter
+        self.lora_backend = None
         self.slot_pool = self._init_lora() if config.enable_lora else None
         graph_safe = config.graph_safe_decode
         capture = platform.supports_graphs and not config.enforce_eager
         self.graph_runner = GraphRunner(self.model, self.kv_cache, platform, device, config, runtime.max_model_len,
-                                        capture=capture, graph_safe=capture if graph_safe is None else graph_safe)
+                                        capture=capture, graph_safe=capture if graph_safe is None else graph_safe,
+                                        lora_backend=self.lora_backend)
 
     def _init_lora(self) -> SlotPool:
         cfg, first = self.runtime.hf_config, self.model.layers[0]
@@ -124,8 +126,8 @@ class ModelRunner:
                 groups[group.name] = GroupShape(base.in_features, tuple(base.out_sizes))
         pool = SlotPool(cfg.num_hidden_layers, groups, self.config.max_loras_per_batch, self.config.max_lora_rank,
                         self.dtype, self.device, shard=lora_shard(self.model))
-        self.lora_backend = self.config.lora_backend or self.platform.default_lora_backend
-        prepare_backend(self.lora_backend, self.device, self.dtype)   # the Ascend kernels' probe
+        # chosen once (the Ascend kernels' probe runs here); each layer's ops are bound by it below
+        self.lora_backend = get_backend(self.config.lora_backend, self.device, self.dtype, self.config.max_lora_rank)
         wrap_model(self.model, pool.buffers, self.lora_backend)
         return pool
 
@@ -160,13 +162,12 @@ class ModelRunner:
     def _lora_info(self, token_slots: list[int], phase: str = "prefill"):
         if self.slot_pool is None:
             return None
-        return make_batch_info(token_slots, self.slot_pool.slot_ranks, self.config.max_lora_rank, self.device,
-                               phase=phase)
+        return self.lora_backend.batch_info(token_slots, self.slot_pool.slot_ranks, phase)
 
     def _mixed(self, plan: StepPlan) -> torch.Tensor:
         """Any step that is not a pure decode, eagerly: decode rows first, then prefill chunks."""
         bs = self.config.kv_block_size
-        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=self.device)  # noqa: E731
+        as_tensor = lambda xs: to_device(xs, self.device, torch.int64)  # noqa: E731
         d = plan.num_decode_rows
         slot_mapping, token_slots, logits_indices, chunks = [], [], [], []
         prompt_rows, prompt_slots = [], []   # rows scored for prompt logprobs: after the sampled ones

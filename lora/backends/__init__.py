@@ -1,2 +1,64 @@
-"""Implementations of the LoRA ops of lora/ops.py (which picks among them): torch_native (any
-device), cpu_sgmv (the CPU's C kernel as torch ops), ascend (sgl_kernel_npu's kernels)."""
+"""LoRA backends, one object per model runner chosen once by name (as SGLang's `get_backend_from_name`):
+torch_native (lora/backends/torch_native.py), cpu (the C kernels, cpu.py), ascend (sgl_kernel_npu,
+ascend.py); the interface is base.py's, the maths they are tested against lora/ops.py's."""
+from __future__ import annotations
+
+import logging
+from typing import NamedTuple
+from collections.abc import Callable
+
+import torch
+
+from lora import ops
+from lora.backends import ascend, cpu_sgmv
+from lora.backends.base import LoRABackend
+
+log = logging.getLogger(__name__)
+BACKENDS = ("torch_native", "cpu", "ascend")   # EngineConfig.lora_backend
+DEFAULTS = {"cpu": "cpu", "cuda": "torch_native", "npu": "ascend"}   # by device type
+
+
+def get_backend(name: str | None, device: torch.device | str, dtype: torch.dtype, max_rank: int) -> LoRABackend:
+    """The backend `name` (None: the device's default) for a runner; RuntimeError / ValueError at start-up
+    when an asked-for backend cannot run here. A default whose kernels are absent becomes torch_native,
+    said once (never a crash loop for a missing optional package)."""
+    from lora.backends.cpu import CpuBackend
+    from lora.backends.torch_native import TorchNativeBackend
+    device = torch.device(device)
+    chosen = name or DEFAULTS.get(device.type, "torch_native")
+    if chosen not in BACKENDS:
+        raise ValueError(f"unknown LoRA backend {chosen!r}; known backends: {', '.join(BACKENDS)}")
+    if chosen == "torch_native":
+        return TorchNativeBackend(device, dtype, max_rank)
+    want = {"cpu": "cpu", "ascend": "npu"}[chosen]
+    if device.type != want:
+        raise ValueError(f"lora_backend {chosen!r} runs on {want} only, not on {device.type}; use torch_native")
+    if chosen == "cpu":
+        if cpu_sgmv.available():
+            return CpuBackend(device, dtype, max_rank)
+        reason = "the CPU LoRA kernel is unavailable (see lora/native.py's warning)"
+    else:
+        reason = ascend.unavailable_reason(device, dtype)
+        if reason is None:
+            return ascend.AscendBackend(device, dtype, max_rank)
+    if name is not None:
+        raise RuntimeError(f"lora_backend {chosen!r}: {reason}; set lora_backend: torch_native")
+    log.warning("LoRA backend %s: %s; running torch_native (same results, slower)", chosen, reason)
+    return TorchNativeBackend(device, dtype, max_rank)
+
+
+class Impl(NamedTuple):
+    add_lora: Callable[..., None]             # (y, x, a, b, offsets, info)
+    add_embedding_lora: Callable[..., None]   # (y, ids, a, b, info)
+
+
+# Every implementation by name, for the tests that hold each against the references (lora.ops's impl=).
+IMPLEMENTATIONS = {
+    "torch_segments": Impl(ops.add_lora_segments, ops.add_embedding_segments),
+    "torch_masked": Impl(ops.add_lora_masked, ops.add_embedding_masked),
+    "cpu_sgmv": Impl(cpu_sgmv.add_lora, ops.add_embedding_segments),
+    "cpu_bgmv": Impl(cpu_sgmv.add_lora_by_token, ops.add_embedding_masked),
+    "ascend_sgmv": Impl(ascend.add_lora_sgmv, ops.add_embedding_segments),
+    "ascend_bgmv": Impl(ascend.add_lora_bgmv, ops.add_embedding_masked),
+}
+GRAPH_SAFE = ("torch_masked", "cpu_bgmv", "ascend_bgmv")   # read only info.token_slots

@@ -3,7 +3,7 @@
 Built against sgl-kernel-npu SGL_KERNEL_NPU_VERSION (the conventions below were checked against
 its sources; an open upstream change, PR #676, would switch sgmv to int32 indices and
 model-dtype buffers, hence `probe`). The kernels' conventions, all honoured here (buffer
-layout: lora/backends/torch_native.py):
+layout: lora/ops.py):
 - shrink(x, weight, indices.., y, scale): x fp16/bf16 [T, in], weight [L, rows, in], y fp32
   [T, rows] written where the token's index is >= 0 (so y is zeroed first); rows < in.
 - expand(x, weight, indices.., y, slice_offset, slice_size): x fp32 [T, R] read densely; slot
@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
-from lora.backends import torch_native
+from lora import ops as torch_ops
 from lora.batch import LoRABatchInfo
 
 SGL_KERNEL_NPU_VERSION = "2026.9.0"
@@ -85,7 +85,7 @@ def add_lora_sgmv(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: Sequence
                   offsets: Sequence[int], info: LoRABatchInfo) -> None:
     """Prefill: sgmv over the step's segments; where the kernels do not apply, the torch segments."""
     if not eligible(y, x, a, b, offsets, device_dtypes(x.device)):
-        return torch_native.add_lora_segments(y, x, a, b, offsets, info)
+        return torch_ops.add_lora_segments(y, x, a, b, offsets, info)
     _add_lora(y, x, a, b, offsets, info, False, torch.ops.npu)
 
 
@@ -93,7 +93,7 @@ def add_lora_bgmv(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: Sequence
                   offsets: Sequence[int], info: LoRABatchInfo) -> None:
     """Decode and graph replay: bgmv over info.token_slots (fixed size); else the masked torch ops."""
     if not eligible(y, x, a, b, offsets, device_dtypes(x.device)):
-        return torch_native.add_lora_masked(y, x, a, b, offsets, info)
+        return torch_ops.add_lora_masked(y, x, a, b, offsets, info)
     _add_lora(y, x, a, b, offsets, info, True, torch.ops.npu)
 
 

@@ -5,10 +5,10 @@
     loraserve::bgmv_add(y, x, a, b, offsets, token_slots)
         one slot per token, grouped inside the kernel: the graph phase.
 Both do y[t, offsets[s]:offsets[s+1]] += x[t] @ a[l, s*R:(s+1)*R].T @ b[s][l].T in the slot
-pool's layout (lora/backends/torch_native.py). Registered through torch.library with fake
+pool's layout (lora/ops.py). Registered through torch.library with fake
 implementations, so FakeTensor mode and torch.compile see ops that mutate y and read nothing
 back. Without the kernel (no C compiler, or LORASERVE_CPU_KERNEL=0) `available()` is False and
-lora/ops.py picks the torch ops: same results, slower with many adapters per step.
+lora.backends.get_backend runs torch_native: same results, slower with many adapters per step.
 """
 from __future__ import annotations
 
@@ -19,8 +19,7 @@ from pathlib import Path
 
 import torch
 
-from lora import native
-from lora.backends import torch_native
+from lora import native, ops
 from lora.batch import LoRABatchInfo
 
 SOURCE = Path(__file__).with_name("cpu_sgmv.c")
@@ -130,7 +129,7 @@ class Prepared:
     """One LoRA layer's sgmv call with its fixed operands filled in once: the slot pool's buffers never move,
     so a step sets only x, y and its groups. Eager CPU steps call the kernel through this, not the registered
     op: dispatch, operand checks and argument building cost ~50 us a layer, ~3% of a decode step (traced and
-    graph phases keep the op). Built by lora.ops.prepare when a layer is wrapped; None where it cannot run."""
+    graph phases keep the op). Built by the cpu backend when a layer is wrapped; None where it cannot run."""
 
     def __init__(self, a: torch.Tensor, b: Sequence[torch.Tensor], offsets: Sequence[int]):
         lib = _load()
@@ -178,12 +177,10 @@ def prepare(a: torch.Tensor, b: Sequence[torch.Tensor], offsets: Sequence[int]) 
 def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: Sequence[torch.Tensor], offsets: Sequence[int],
              info: LoRABatchInfo, prepared: Prepared | None = None) -> None:
     """The eager phases: the plan's adapters with few tokens in one kernel call (the layer's `prepared`
-    call when it has one), the others (info.plan.gemm) by torch's GEMMs; operands the kernel does not
-    read go to the torch ops."""
-    if not supports(y, x, a, b):
-        return torch_native.add_lora_segments(y, x, a, b, offsets, info)
+    call when it has one), the others (info.plan.gemm) by torch's GEMMs. Operands the kernel does not
+    read are refused (the cpu backend binds such layers to the torch ops)."""
     for group in info.plan.gemm:
-        torch_native.add_lora_rows(y, x, a[group.slot], [b_s[group.slot] for b_s in b], offsets, group.rows)
+        ops.add_lora_rows(y, x, a[group.slot], [b_s[group.slot] for b_s in b], offsets, group.rows)
     kernel = info.plan.kernel
     if kernel is None:
         return
@@ -196,6 +193,4 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: Sequence[torc
 def add_lora_by_token(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: Sequence[torch.Tensor],
                       offsets: Sequence[int], info: LoRABatchInfo) -> None:
     """The graph phase: one kernel call reading info.token_slots (graph-safe: an op with a fake)."""
-    if not supports(y, x, a, b):
-        return torch_native.add_lora_masked(y, x, a, b, offsets, info)
     torch.ops.loraserve.bgmv_add(y, x, a, b, offsets, info.token_slots)
