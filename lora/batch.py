@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lora.transfer import to_device
+
 PHASES = ("prefill", "decode", "graph")   # what a backend's layer ops are chosen by
 
 
@@ -137,8 +139,8 @@ def plan_step(seg_lens: tuple[int, ...], seg_slots: tuple[int, ...], slot_ranks:
     for slot in order:
         starts.append(starts[-1] + count[slot])
     header = [*few, *(ranks[slot] for slot in few), *starts[:len(few) + 1]] if few else []
-    index = torch.tensor(header + [t for slot in order for lo, hi in runs[slot] for t in range(lo, hi)],
-                         dtype=torch.int64, device=device)
+    index = to_device(header + [t for slot in order for lo, hi in runs[slot] for t in range(lo, hi)], device,
+                      torch.int64)
     rows = index[len(header):]
     groups = {slot: AdapterRows(slot, ranks[slot], slice(*runs[slot][0]) if len(runs[slot]) == 1
                                 else rows[starts[i]:starts[i + 1]]) for i, slot in enumerate(order)}
@@ -157,7 +159,7 @@ def make_batch_info(token_slots: list[int], slot_ranks: list[int], max_rank: int
     """
     lens, slots = segments(token_slots)
     T, S = len(token_slots), len(lens)
-    packed = torch.tensor([*token_slots, *lens, *slots], dtype=torch.int64, device=device)   # one copy, three views
+    packed = to_device([*token_slots, *lens, *slots], device, torch.int64)   # one transfer, three views
     plan = None if use_graph else plan_step(tuple(lens), tuple(slots), tuple(slot_ranks), max_rank, device,
                                             gemm_min_tokens)
     return LoRABatchInfo(

@@ -14,6 +14,7 @@ import torch
 
 from lora.adapter import LoRAAdapter, LoRAWeights
 from lora.modules import GROUPS, MODULE_GROUPS
+from lora.transfer import to_device
 
 __all__ = ["GroupShape", "MODULE_GROUPS", "SlotPool", "SlotTable"]
 
@@ -153,7 +154,8 @@ class SlotPool:
                     self._slice(buf_a, group, slot, s).zero_()
                     b_s[slot].zero_()
         for (layer, group, s), a, b, scaling in pieces:
-            r = a.shape[0]
+            # the host copies onto the slot's device first: no op may mix host and device tensors
+            a, b, r = to_device(a, self.device), to_device(b, self.device), a.shape[0]
             buf_a, buf_b = self.buffers[(layer, group)]
             if group == "embed_tokens":
                 buf_a[slot, :, :r].copy_(a.T)

@@ -48,7 +48,7 @@ class LLMEngine:
                                            max_loras_per_batch=config.max_loras_per_batch,
                                            adapter_roots=config.adapter_roots,
                                            allow_hub=config.hub_adapters_allowed,
-                                           pin_memory=self.platform.name != "cpu",
+                                           pin_memory=self._copies_to_its_device(),
                                            load_timeout_s=config.adapter_load_timeout_s)
         self.executor = self._make_executor()
         self.controller = Controller(config, self.runtime.num_kv_blocks, self.runtime.max_model_len,
@@ -79,6 +79,14 @@ class LLMEngine:
                 raise ValueError(f"max_num_batched_tokens ({budget}) must be >= max_model_len ({max_len}) "
                                  f"when enable_chunked_prefill is off")
         return budget
+
+    def _copies_to_its_device(self) -> bool:
+        """Whether this process itself copies adapters to a device it holds (its in-process worker): only
+        then is pinning host memory worth anything, and only then is it safe. A replica with remote
+        workers holds no device (Ray hides every NPU from it, and torch_npu's pinned allocator then
+        fails); its adapters travel to the workers through Ray anyway."""
+        cfg = self.config
+        return self.platform.name != "cpu" and cfg.tensor_parallel_size == 1 and cfg.distributed_executor != "ray"
 
     def _make_executor(self):
         """In-process Worker for TP=1, else a WorkerGroup of Ray actors (Ray must be running: see worker_group.py)."""

@@ -58,6 +58,8 @@ def prepack_linears(model: nn.Module, batch_hint: int = PACK_BATCH_HINT) -> int:
     packed = 0
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
+            if module.weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+                return packed   # oneDNN's bf16 reorder refuses a CPU without bf16 instructions: F.linear then
             weight = module.weight.detach()
             module.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint),
                                          requires_grad=False)

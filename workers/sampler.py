@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lora.transfer import to_device
+
 _MASK32 = 0xFFFFFFFF
 
 
@@ -43,21 +45,21 @@ class SamplingTensors:
                    slots=(), penalties=(), hold_stops=(), use_bias: bool = False,
                    num_top_logprobs: int = 0) -> SamplingTensors:
         ks = [vocab_size if k <= 0 else min(k, vocab_size) for k in top_ks]
-        f32 = dict(dtype=torch.float32, device=device)
-        i64 = dict(dtype=torch.int64, device=device)
+        f32 = dict(device=device, dtype=torch.float32)
+        i64 = dict(device=device, dtype=torch.int64)
         penalized = any(p != (0.0, 0.0, 1.0) for p in penalties)
         return cls(
-            temperatures=torch.tensor(temperatures, **f32),
-            top_ks=torch.tensor(ks, **i64),
-            top_ps=torch.tensor(top_ps, **f32),
-            seeds=torch.tensor([s & _MASK32 for s in seeds], **i64),
-            steps=torch.tensor(steps, **i64),
+            temperatures=to_device(temperatures, **f32),
+            top_ks=to_device(ks, **i64),
+            top_ps=to_device(top_ps, **f32),
+            seeds=to_device([s & _MASK32 for s in seeds], **i64),
+            steps=to_device(steps, **i64),
             needs_sorting=any(k < vocab_size for k in ks) or any(p < 1.0 for p in top_ps),
             all_greedy=all(t == 0 for t in temperatures),
-            min_ps=torch.tensor(min_ps, **f32) if any(min_ps) else None,
-            slots=torch.tensor(slots, **i64) if slots else None,
-            penalties=torch.tensor(penalties, **f32) if penalized else None,
-            hold_stops=torch.tensor(hold_stops, dtype=torch.bool, device=device) if any(hold_stops) else None,
+            min_ps=to_device(min_ps, **f32) if any(min_ps) else None,
+            slots=to_device(slots, **i64) if slots else None,
+            penalties=to_device(penalties, **f32) if penalized else None,
+            hold_stops=to_device(hold_stops, device, torch.bool) if any(hold_stops) else None,
             use_bias=use_bias, num_top_logprobs=num_top_logprobs)
 
 
@@ -76,7 +78,7 @@ class SamplerState:
         """A sequence takes `slot` (admitted, or admitted again after preemption). Every admitted sequence
         does, so no row holds what an earlier occupant left; the ids a request does not need are empty."""
         device = self.output_counts.device
-        as_ids = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
+        as_ids = lambda xs: to_device(xs, device, torch.int64)  # noqa: E731
         self.output_counts[slot].zero_()
         if output_ids:
             self.output_counts[slot].index_add_(0, as_ids(output_ids), torch.ones(len(output_ids), dtype=torch.int32,
@@ -90,7 +92,7 @@ class SamplerState:
         if logit_bias:
             n = len(logit_bias)
             self.bias_ids[slot, :n] = as_ids(list(logit_bias))
-            self.bias_values[slot, :n] = torch.tensor(list(logit_bias.values()), dtype=torch.float32, device=device)
+            self.bias_values[slot, :n] = to_device(list(logit_bias.values()), device, torch.float32)
 
     def record(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """Count the sampled tokens (fixed shape: one index_put per step)."""

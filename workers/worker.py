@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 
 from lora.adapter import LoRAAdapter, load_adapter, model_spec_from_hf_config
+from lora.transfer import allow_pinning
 from workers.config import EngineConfig
 from workers.device import Platform
 from workers.parallel import TPGroup
@@ -23,6 +24,7 @@ class Worker:
     def __init__(self, config: EngineConfig, runtime: RuntimeInfo, platform: Platform,
                  get_adapter: Callable[[str, str, int], LoRAAdapter], tp: TPGroup = TPGroup(), device_index: int = 0):
         platform.set_device(device_index)
+        allow_pinning(platform.name != "cpu")   # this process holds the device it copies to (lora/transfer.py)
         if platform.name == "cpu":
             torch.set_num_threads(config.cpu_threads or cpu_threads_per_rank(config.tensor_parallel_size))
         self.runner = ModelRunner(config, runtime, platform, tp, platform.torch_device(device_index), get_adapter)

@@ -28,7 +28,9 @@ from collections.abc import Sequence
 import torch
 
 from lora import ops as torch_ops
+from lora.backends.base import LayerLoRA, LoRABackend, torch_ops as torch_layer_ops
 from lora.batch import LoRABatchInfo
+from lora.transfer import to_device
 
 SGL_KERNEL_NPU_VERSION = "2026.9.0"
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
@@ -116,8 +118,8 @@ def _known_answer(ops, device: torch.device, dtype: torch.dtype, by_token: bool)
         if slot >= 0:
             expected[t] += b[slot] @ (a[slot] @ x[t])
     i64 = dict(dtype=torch.int64, device=device)
-    info = LoRABatchInfo(token_slots=torch.tensor(slots, **i64), seg_lens=torch.ones(T, **i64),
-                         seg_slots=torch.tensor(slots, **i64), seg_lens_host=(1,) * T, seg_slots_host=tuple(slots),
+    info = LoRABatchInfo(token_slots=to_device(slots, device, torch.int64), seg_lens=torch.ones(T, **i64),
+                         seg_slots=to_device(slots, device, torch.int64), seg_lens_host=(1,) * T, seg_slots_host=tuple(slots),
                          slot_ranks_host=(R, R), max_rank=R, phase="decode")
     y = y0.to(device, dtype)
     try:
@@ -154,3 +156,56 @@ def probe(device: torch.device | str, dtype: torch.dtype, ops=None) -> None:
         if wrong:
             raise RuntimeError(f"sgl_kernel_npu {_installed_version()}: {kind} with the conventions of "
                                f"{SGL_KERNEL_NPU_VERSION} (int64 indices, fp32 shrink output) failed: {wrong}; {advice}")
+
+
+def unavailable_reason(device: torch.device | str, dtype: torch.dtype, ops=None) -> str | None:
+    """Why the kernels cannot serve `dtype` on `device` (None: they can; the probe passed)."""
+    device = torch.device(device)
+    if dtype not in device_dtypes(device):
+        return f"sgl_kernel_npu has no {dtype} kernels for this chip (has {list(device_dtypes(device))})"
+    try:
+        probe(device, dtype, ops=ops)
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+class AscendBackend(LoRABackend):
+    """sgmv over the step's segments for prefill, bgmv over the per-token slots for decode and graph
+    replay; layers the kernels do not take (see `eligible`) run the torch maths, decided at wrap time."""
+
+    name = "ascend"
+
+    def __init__(self, device: torch.device | str, dtype: torch.dtype, max_rank: int, ops=None):
+        super().__init__(device, dtype, max_rank)
+        self.ops = ops if ops is not None else torch.ops.npu
+        self.needs_plan = False   # a layer on the torch maths (or an embedding) reads the grouped plan
+
+    def batch_info(self, token_slots: list[int], slot_ranks: Sequence[int], phase: str) -> LoRABatchInfo:
+        plan = super().batch_info(token_slots, slot_ranks, phase).plan if self.needs_plan else None
+        any_lora = any(s >= 0 and slot_ranks[s] > 0 for s in token_slots)
+        fields = self._segment_tensors(token_slots)
+        if phase != "prefill":   # bgmv reads only the per-token slots
+            fields = {"token_slots": fields["token_slots"]}
+        return LoRABatchInfo(phase=phase, plan=plan, any_lora=any_lora, max_rank=self.max_rank, **fields)
+
+    def bind(self, layer: str, a: torch.Tensor, b: Sequence[torch.Tensor], offsets: Sequence[int]) -> LayerLoRA:
+        y, x = torch.empty(0, offsets[-1], dtype=self.dtype), torch.empty(0, a.shape[2], dtype=self.dtype)
+        if not eligible(y, x, a, b, offsets, device_dtypes(self.device)):
+            self.fallback(layer, f"sgl_kernel_npu does not take {self.dtype}, in {a.shape[2]}, rank {b[0].shape[2]}, "
+                                 f"slices {[offsets[s + 1] - offsets[s] for s in range(len(b))]}")
+            self.needs_plan = True
+            return torch_layer_ops(a, b, offsets)
+        kernels = self.ops
+
+        def sgmv(y, x, info):
+            _add_lora(y, x, a, b, offsets, info, False, kernels)
+
+        def bgmv(y, x, info):
+            _add_lora(y, x, a, b, offsets, info, True, kernels)
+
+        return LayerLoRA(sgmv, bgmv, bgmv)
+
+    def bind_embedding(self, layer: str, a: torch.Tensor, b: torch.Tensor) -> LayerLoRA:
+        self.needs_plan = True
+        return super().bind_embedding(layer, a, b)
