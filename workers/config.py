@@ -53,6 +53,9 @@ class EngineConfig:
     enforce_eager: bool = False
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     graph_safe_decode: bool | None = None       # LoRA/attention graph-safe ops in decode; default: when capturing
+    # CPU: decode "captured" as an op tape replayed on the static buffers (workers/tape_graph.py), as a device
+    # graph would be (width buckets, fallback, no host read): for tests and benchmarks; off = eager on the CPU
+    emulate_capture: bool = False
 
     @property
     def hub_adapters_allowed(self) -> bool:
@@ -89,6 +92,8 @@ class EngineConfig:
         bad = set(self.lora_target_modules) - set(SUPPORTED_LORA_MODULES)
         need(not bad, f"lora_target_modules {sorted(bad)} not supported; use {SUPPORTED_LORA_MODULES}")
         need(all(b >= 1 for b in self.graph_batch_sizes), "graph_batch_sizes must be positive")
+        need(not (self.emulate_capture and self.graph_safe_decode is False),
+             "emulate_capture needs the graph-safe decode ops: leave graph_safe_decode unset (or True)")
 
 
 @dataclass

@@ -1,19 +1,55 @@
-"""Decode through static input buffers and batch-size buckets.
+"""Decode through static input buffers, batch-size buckets and block-table width buckets.
 
-Decode is the hot path and runs once per generated token, so on CUDA / NPU it
-is captured as one device graph per bucket and replayed: every input lives in a
-buffer allocated here once, and nothing in the step reads back to the host.
-On CPU the same static-buffer path runs eagerly (trimming the block table to
-the widest sequence, which only an eager run can do).
+Decode is the hot path and runs once per generated token, so on CUDA / NPU it is captured as device graphs
+and replayed: every input lives in a buffer allocated here once, and nothing in the step reads back to the
+host. One graph per (batch bucket, width bucket): the width is the block-table width the graph's decode
+attention reads (it gathers every block of that width for every sequence), in powers of two blocks up to
+max_model_len's; a step replays the smallest graph covering its batch and its widest sequence, so its cost
+follows the batch's context, not max_model_len.
+
+When the graphs are captured: on a device all of them up front, largest first, sharing one memory pool (each
+smaller graph fits in what the larger ones freed; about batch buckets x log2(max_model_len / block) captures,
+e.g. 7 x 10 at 32k, a few seconds each batch bucket, paid once at start-up instead of as a latency spike in
+serving). The CPU capture emulation (EngineConfig.emulate_capture, workers/tape_graph.py) captures each
+(batch, width) lazily on its first use: a tape keeps every tensor it allocated, with no pool to share, so
+capturing every width up front would hold each width's whole gathered KV at once (at 32k, batch 16 on the
+bench checkpoint, ~16 GB for the widest graph alone).
+
+A graph whose capture fails (ACL graph stream limits, an old driver, an op that syncs) is not fatal: that
+(batch, width) bucket runs eagerly on the static buffers, with one warning naming it and the error;
+`enforce_eager` still turns capture off altogether. Collectives inside ACL graphs (tensor parallel on NPU)
+need HCCL's AIV expansion: set `HCCL_OP_EXPANSION_MODE=AIV` in the workers' environment, or the all-reduce
+capture fails (and its buckets then run eagerly).
+
+On CPU without the emulation the same static-buffer path runs eagerly (trimming the block table to the
+widest sequence, which only an eager run can do).
 """
 from __future__ import annotations
+
+import logging
 
 import torch
 
 from lora.batch import LoRABatchInfo
+from workers import tape_graph
 from workers.forward_batch import ForwardBatch
 from workers.kv_cache import blocks_needed
 from workers.plan import StepPlan
+
+logger = logging.getLogger(__name__)
+
+MIN_GRAPH_WIDTH = 4   # blocks: a narrower graph saves nothing worth its capture (64 tokens at block size 16)
+
+
+def width_buckets(max_blocks: int, smallest: int = MIN_GRAPH_WIDTH) -> tuple[int, ...]:
+    """Block-table widths to capture: powers of two from `smallest`, then max_blocks itself (the last)."""
+    widths, w = [], 1
+    while w < min(smallest, max_blocks):
+        w *= 2
+    while w < max_blocks:
+        widths.append(w)
+        w *= 2
+    return (*widths, max_blocks)
 
 
 class GraphRunner:
@@ -21,10 +57,14 @@ class GraphRunner:
                  lora_backend=None):
         self.model, self.kv_cache, self.platform, self.device = model, kv_cache, platform, device
         self.block_size = config.kv_block_size
+        self.emulated = platform.name == "cpu" and config.emulate_capture and not config.enforce_eager
+        if self.emulated:    # captured decode needs the graph-safe ops (config.py refuses graph_safe_decode=False)
+            capture, graph_safe = True, True
         self.capture, self.graph_safe = capture, graph_safe
         self.lora_backend = lora_backend   # None: LoRA off
         self.buckets = sorted({b for b in config.graph_batch_sizes if b < config.max_num_seqs} | {config.max_num_seqs})
         n, self.width = self.buckets[-1], blocks_needed(max_model_len, self.block_size)
+        self.widths = width_buckets(self.width)
         i64 = dict(dtype=torch.int64, device=device)
         self.input_ids = torch.zeros(n, **i64)
         self.positions = torch.zeros(n, **i64)
@@ -33,12 +73,23 @@ class GraphRunner:
         self.block_tables = torch.zeros(n, self.width, **i64)
         self.token_slots = torch.full((n,), -1, **i64)
         self.logits_indices = torch.arange(n, **i64)
-        self.graphs: dict[int, tuple[object, torch.Tensor]] = {}
-        if capture:
+        self.graphs: dict[tuple[int, int], tuple[object, torch.Tensor]] = {}   # (batch, width) -> graph, logits
+        self.failed: dict[tuple[int, int], str] = {}                            # (batch, width) -> error, eager
+        self._pool = None
+        if self.emulated:
+            self._new_graph, self._graph_context = tape_graph.TapeGraph, tape_graph.graph
+        else:
+            self._new_graph, self._graph_context = platform.graph, platform.graph_context
+        self.lazy = self.emulated
+        if capture and not self.lazy:
             self._capture_all()
 
     def _bucket(self, num_seqs: int) -> int:
         return next(b for b in self.buckets if b >= num_seqs)
+
+    def width_bucket(self, width: int) -> int:
+        """The narrowest captured width covering `width` blocks."""
+        return next(w for w in self.widths if w >= width)
 
     def _graph_lora(self, b: int) -> LoRABatchInfo | None:
         if self.lora_backend is None:
@@ -73,21 +124,37 @@ class GraphRunner:
         B = plan.num_seqs
         b = self._bucket(B) if (self.capture or self.graph_safe) else B
         width = self._fill(plan, b)
-        if b in self.graphs:
-            graph, logits = self.graphs[b]
-            graph.replay()
-            return logits[:B]
+        if self.capture:
+            key = (b, self.width_bucket(width))
+            if self.lazy and key not in self.graphs and key not in self.failed:
+                self._capture(*key)
+            if key in self.graphs:
+                graph, logits = self.graphs[key]
+                graph.replay()
+                return logits[:B]
         lora = self._graph_lora(b) if self.graph_safe else lora
-        return self.model(self._batch(b, width if not self.capture else self.width, lora), self.kv_cache)[:B]
+        return self.model(self._batch(b, width, lora), self.kv_cache)[:B]
 
     def _capture_all(self) -> None:
-        pool = None
         for b in reversed(self.buckets):  # largest first so smaller graphs reuse its memory pool
-            batch = self._batch(b, self.width, self._graph_lora(b))
-            self.model(batch, self.kv_cache)  # warm-up: lazy initialisation must not happen while capturing
-            self.platform.synchronize()
-            graph = self.platform.graph()
-            with self.platform.graph_context(graph, pool):
-                logits = self.model(batch, self.kv_cache)
-            pool = graph.pool()
-            self.graphs[b] = (graph, logits)
+            for w in reversed(self.widths):
+                self._capture(b, w)
+
+    def _capture(self, b: int, w: int) -> None:
+        """Capture the (batch b, width w) graph on the static buffers as they are; on failure that bucket
+        runs eagerly from now on (one warning)."""
+        batch = self._batch(b, w, self._graph_lora(b))
+        try:
+            with torch.inference_mode():
+                self.model(batch, self.kv_cache)  # warm-up: lazy initialisation must not happen while capturing
+                self.platform.synchronize()
+                graph = self._new_graph()
+                with self._graph_context(graph, self._pool):
+                    logits = self.model(batch, self.kv_cache)
+        except Exception as e:   # noqa: BLE001: any capture failure degrades to eager, never kills the worker
+            self.failed[(b, w)] = f"{type(e).__name__}: {e}"
+            logger.warning("decode graph capture failed for batch bucket %d, block-table width %d (%d tokens); "
+                           "that bucket runs eagerly: %s", b, w, w * self.block_size, self.failed[(b, w)])
+            return
+        self._pool = graph.pool()
+        self.graphs[(b, w)] = (graph, logits)
