@@ -4,7 +4,8 @@ Without --address a private single-node Ray is started on loopback (its own
 temp dir, no dashboard, a random port); HTTP binds --host (127.0.0.1 by default).
 Once serving, it prints the Ray address a separate script passes to `ray.init`.
 The start fails (exit 1) with a message when a replica cannot be placed
-(deployments/placement.py). SIGTERM or SIGINT stops it at any point, also
+(deployments/placement.py) or raises while it starts: then the replica's own
+exception, and where its traceback and a copy of Ray's logs are kept. SIGTERM or SIGINT stops it at any point, also
 while Ray or Serve is starting, within SHUTDOWN_GRACE_S: a clean stop exits 0.
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 from deployments.config import DEMO_MODEL, LLMConfig
 
@@ -124,6 +126,8 @@ def serve_forever(args: argparse.Namespace) -> int:
             wait_until_running(args.name, config.placement_timeout_s)
         except (PlacementError, DeployError) as exc:
             print(f"loraserve: cannot start: {exc}", file=sys.stderr, flush=True)
+            if isinstance(exc, DeployError):
+                print(keep_start_failure(exc, copy_ray_logs=temp_dir is not None), file=sys.stderr, flush=True)
             return 1
         base = f"http://{args.host}:{args.port}"
         print(f"loraserve: serving {config.base_model_name!r} at {base}/v1 (models: {base}/v1/models)", flush=True)
@@ -135,6 +139,28 @@ def serve_forever(args: argparse.Namespace) -> int:
         return 0
     finally:
         _stop(args.name, joined=bool(args.address), drain=serving, temp_dir=temp_dir)
+
+
+def keep_start_failure(error, copy_ray_logs: bool) -> str:
+    """Where the cause of a failed start is kept, as a line to print: the failing replica's traceback (from
+    Serve's status) in a file, and, for the private Ray whose temp dir goes at exit, a copy of its logs
+    (Serve's controller log holds every failed attempt's traceback)."""
+    import ray
+
+    keep = Path(tempfile.mkdtemp(prefix="loraserve-start-failed-"))
+    (keep / "replica_error.txt").write_text((error.details or str(error)) + "\n")
+    node = getattr(ray._private.worker, "_global_node", None)
+    logs = node.get_logs_dir_path() if node is not None else None
+    where = f"loraserve: the replica's traceback: {keep / 'replica_error.txt'}"
+    if logs and copy_ray_logs:
+        try:
+            shutil.copytree(logs, keep / "ray-logs", symlinks=True, ignore_dangling_symlinks=True)
+            return f"{where}; Ray's logs of this run: {keep / 'ray-logs'} (Serve's: {keep / 'ray-logs' / 'serve'})"
+        except OSError as exc:   # a file that went meanwhile: what was copied stays
+            return f"{where}; Ray's logs of this run, partly ({exc.__class__.__name__}): {keep / 'ray-logs'}"
+    if logs:
+        return f"{where}; the cluster's Ray logs: {logs} on its head node (Serve's: {logs}/serve)"
+    return where
 
 
 def _stop(app_name: str, joined: bool, drain: bool, temp_dir: str | None) -> None:

@@ -14,6 +14,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from lora.adapter import check_adapter_name
+from lora.peft_format import CONFIG_NAME, SAFETENSORS_NAME
+from lora.sources import is_hub_id
 from workers.config import EngineConfig
 from workers.device import PLATFORMS, check_device_resource
 
@@ -133,6 +135,29 @@ class LLMConfig(BaseModel):
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(**self._engine_args())
+
+    def replica_engine_config(self) -> EngineConfig:
+        """The engine of a replica: `adapter_roots` restrict what callers hot-load, never the configured
+        adapters (`adapters`, `--lora`, the demo's), which are the operator's. So the engine, which checks
+        every file it reads against its roots, also gets each configured local adapter's directory (and
+        where its files' symlinks lead, e.g. a Hub cache snapshot) as a root, and Hub ids when one is
+        configured. Callers still get only the hot-load roots: LLMServer.load_adapter checks a hot-load
+        source against those before anything reads it (`check_hotload_source`). Run in the replica: the
+        paths are the replica's node's."""
+        engine = self.engine_config()
+        if not engine.adapter_roots:
+            return engine   # no roots: any path, for configured and hot-loaded adapters alike
+        roots, hub = list(engine.adapter_roots), engine.hub_adapters_allowed
+        for source in self.adapters.values():
+            if is_hub_id(source):
+                hub = True
+                continue
+            roots.append(os.path.realpath(source))
+            for file_name in (CONFIG_NAME, SAFETENSORS_NAME):
+                target = os.path.realpath(os.path.join(source, file_name))
+                if os.path.dirname(target) not in roots:
+                    roots.append(os.path.dirname(target))
+        return dataclasses.replace(engine, adapter_roots=tuple(dict.fromkeys(roots)), allow_hub_adapters=hub)
 
     # ---- Serve options -------------------------------------------------------------------------
     def in_process(self) -> bool:

@@ -30,7 +30,7 @@ MAX_MESSAGE_CHARS = 1000
 # union members in a pydantic error location ('str', 'list[int]', 'ChatMessage'): not the caller's field names
 _UNION_TAG = re.compile(r"[A-Z]\w*|(str|int|float|bool|none|list|dict|literal|function-\w+|tagged-union)(\[.*\])?")
 _VALIDATION_400 = {"json_invalid": "invalid_json", "extra_forbidden": "unknown_parameter",
-                   "unsupported_parameter": "unsupported_parameter"}
+                   "unsupported_parameter": "unsupported_parameter", "value_too_long": "invalid_request"}
 # 503s: what the caller may be told (retry later); the exception's own text stays in the log
 _UNAVAILABLE = ((EngineDeadError, "the model engine is unavailable (a worker failed; it is being replaced)"),
                 (BackPressureError, "the server is at capacity"),

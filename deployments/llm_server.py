@@ -25,7 +25,7 @@ from deployments.errors import quiet_caller_errors
 from deployments.loopback import bind_replica_grpc_to_node_ip
 from deployments.metrics import ServerMetrics
 from lora.adapter import check_adapter_name
-from lora.errors import AdapterError, AdapterNotFoundError
+from lora.errors import AdapterError, AdapterNotFoundError, AdapterPathError
 from lora.sources import is_hub_id
 from workers.async_engine import AsyncLLMEngine
 from workers.config import SamplingParams
@@ -52,6 +52,7 @@ class LLMServer:
         bind_replica_grpc_to_node_ip()   # before Serve starts this replica's gRPC server (after __init__)
         quiet_caller_errors()     # a caller's mistake raised from a method is one log line, not a traceback
         self.config = config
+        self._hotload_hub = config.engine_config().hub_adapters_allowed   # for callers: the hot-load roots' rule
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
         self.engine = AsyncLLMEngine(await asyncio.to_thread(_build_engine, config))   # minutes for a big model
@@ -259,6 +260,7 @@ class LLMServer:
             raise AdapterError(f"adapter {name!r}: lora_path {str(source)[:200]!r} must be an absolute directory or a "
                                "Hub id (org/name[@revision]); relative paths are refused")
         self._check_not_configured(name, "replaced")
+        await asyncio.to_thread(check_hotload_source, name, source, self.config.adapter_roots, self._hotload_hub)
         try:
             current = await self.adapters.source_of(name)
         except AdapterNotFoundError:
@@ -323,7 +325,28 @@ class LLMServer:
 
 
 def _build_engine(config: LLMConfig) -> LLMEngine:
-    engine = LLMEngine(config.engine_config())
+    for name, source in config.adapters.items():   # before minutes of model loading: a plain, early reason
+        if not is_hub_id(source) and not os.path.isdir(source):
+            raise AdapterNotFoundError(f"configured adapter {name!r}: {source!r} is not a directory on this node")
+    engine = LLMEngine(config.replica_engine_config())   # the hot-load roots do not apply to configured adapters
     for name, source in config.adapters.items():   # a bad configured adapter fails the deployment, loudly
         engine.load_adapter(name, source)
     return engine
+
+
+def check_hotload_source(name: str, source: str, adapter_roots: list[str], allow_hub: bool) -> None:
+    """A hot-load's source against the hot-load roots alone (the engine's roots also hold the configured
+    adapters' directories). Same rules and the same single refusal as lora.sources.resolve_source: a path
+    outside the roots is never described (missing, not a directory and not allowed read the same)."""
+    if is_hub_id(source) and (adapter_roots or not os.path.exists(source)):
+        if not allow_hub:
+            raise AdapterPathError(f"adapter {name!r}: {source!r} is not a local directory and Hub ids are "
+                                   "not allowed with adapter_roots (allow_hub_adapters=True permits them)")
+        return
+    if adapter_roots:
+        real = os.path.realpath(source)
+        inside = any(os.path.commonpath([real, os.path.realpath(root)]) == os.path.realpath(root)
+                     for root in adapter_roots)
+        if not (inside and os.path.isdir(real)):
+            raise AdapterPathError(f"adapter {name!r}: {source!r} is not an adapter directory inside the "
+                                   "allowed adapter roots")

@@ -20,6 +20,7 @@ adds nodes for pending groups (KubeRay, the cluster launcher with
 from __future__ import annotations
 
 import math
+import re
 import time
 from typing import Any
 
@@ -37,7 +38,38 @@ class PlacementError(RuntimeError):
 
 
 class DeployError(RuntimeError):
-    """Serve gave up on the application (DEPLOY_FAILED); carries Serve's message."""
+    """Serve gave up on the application (DEPLOY_FAILED). `str()` is the failing replica's own exception line
+    when Serve's message holds one (a replica that raised in __init__), else Serve's message; `details` is
+    every failed deployment's full message (the replica's traceback)."""
+
+    def __init__(self, message: str, details: str = ""):
+        super().__init__(message)
+        self.details = details
+
+
+def deploy_error(app) -> DeployError:
+    """From an ApplicationStatusOverview in DEPLOY_FAILED: the application's message alone ("Failed to update
+    the deployments [...]") says nothing, its deployments' messages carry the replica's traceback."""
+    failed = [(name, d.message) for name, d in app.deployments.items()
+              if d.message and getattr(d.status, "value", d.status) == "DEPLOY_FAILED"]
+    failed = failed or [(name, d.message) for name, d in app.deployments.items() if d.message]
+    details = "\n".join(f"{name}: {message}" for name, message in failed)
+    for name, message in failed:
+        line = exception_line(message)
+        if line:
+            return DeployError(f"an {name} replica failed to start: {line}", details)
+    return DeployError("; ".join(message for _, message in failed) or app.message or "deployment failed", details)
+
+
+EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt|Warning)\b(?::.*)?$")
+
+
+def exception_line(message: str) -> str | None:
+    """The last exception line (`module.SomeError: text`) of a traceback inside Serve's message: the cause;
+    Ray wraps it (RayTaskError(...), ActorDiedError) and repeats it in the chained tracebacks above."""
+    lines = [line.strip() for line in message.splitlines()]
+    found = [line for line in lines if EXCEPTION_LINE.match(line) and not line.startswith("ray.exceptions.")]
+    return found[-1][:2000] if found else None
 
 
 def replica_demand(config: LLMConfig) -> dict[str, float]:
@@ -85,7 +117,7 @@ def wait_until_running(app_name: str, placement_timeout_s: float | None, stop=No
         if status == "RUNNING":
             return
         if status == "DEPLOY_FAILED":
-            raise DeployError(app.message or "; ".join(d.message for d in app.deployments.values() if d.message))
+            raise deploy_error(app)
         now = time.monotonic()
         pending = _pending_groups(app_name)
         pending_since = {name: pending_since.get(name, now) for name in pending}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 # accepted and ignored: they label or route a request on OpenAI's side and change nothing in the answer
@@ -232,14 +232,34 @@ class ChatCompletionRequest(OpenAIRequest):
         return params
 
 
+MAX_LORA_NAME_CHARS = 1024   # names are checked again (at most 128 characters) where the adapter is loaded
+MAX_LORA_PATH_CHARS = 4096   # PATH_MAX
+
+
+def _bounded_string(field: str, limit: int):
+    """An over-long value is a bad parameter (400 naming the field and the limit), not a schema mismatch (422)."""
+    def check(value: str) -> str:
+        if len(value) > limit:
+            raise PydanticCustomError("value_too_long", "{length} characters, over the limit of {limit}",
+                                      {"length": len(value), "limit": limit})
+        return value
+
+    return field_validator(field)(check)
+
+
 class LoadLoRAAdapterRequest(StrictModel):
-    lora_name: str = Field(min_length=1, max_length=1024)
-    lora_path: str = Field(min_length=1, max_length=4096)
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
     replace: bool = False                # a hot-loaded name gets a new source only when asked
+
+    _name_length = _bounded_string("lora_name", MAX_LORA_NAME_CHARS)
+    _path_length = _bounded_string("lora_path", MAX_LORA_PATH_CHARS)
 
 
 class UnloadLoRAAdapterRequest(StrictModel):
-    lora_name: str = Field(min_length=1, max_length=1024)
+    lora_name: str = Field(min_length=1)
+
+    _name_length = _bounded_string("lora_name", MAX_LORA_NAME_CHARS)
 
 
 class TokenizeRequest(StrictModel):

@@ -119,6 +119,15 @@ def test_health_stays_open(url):
     assert requests.get(f"{url}/health", timeout=60).json() == {"status": "ok"}
 
 
+def test_serves_own_routes_answer_without_the_key_and_tell_only_route_prefixes(url):
+    """/-/routes and /-/healthz are answered by Serve's HTTP proxy before any application sees the request,
+    so no API key gates them (README: Security); what they tell is each route prefix's application name."""
+    routes = requests.get(f"{url}/-/routes", timeout=60)
+    assert routes.status_code == 200 and routes.json() == {"/": APP, "/plain": "plain"}, routes.text
+    health = requests.get(f"{url}/-/healthz", timeout=60)
+    assert health.status_code == 200 and health.text == "success", health.text
+
+
 def test_hotload_is_off_by_default(url):
     for path, body in (("/v1/load_lora_adapter", {"lora_name": "y", "lora_path": "/tmp"}),
                        ("/v1/unload_lora_adapter", {"lora_name": "y"})):

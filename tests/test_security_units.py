@@ -242,3 +242,50 @@ def test_a_callers_mistake_is_one_info_line_without_traceback():
     assert log_filter.filter(ours) and ours.levelno == logging.ERROR and ours.exc_info is not None
     elsewhere = record_of(ValueError("logged by our own code"), pathname="/repo/deployments/adapter_registry.py")
     assert log_filter.filter(elsewhere) and elsewhere.exc_info is not None   # only Serve's request log is quieted
+
+
+def test_adapter_roots_bound_hot_loads_not_the_configured_adapters(tmp_path):
+    """Configured adapters are the operator's: the replica's engine also takes their directories (and where
+    their files' symlinks lead) as roots; a caller's hot-load is checked against the hot-load roots alone."""
+    from deployments.llm_server import check_hotload_source
+    from lora.errors import AdapterPathError
+
+    root, configured, blobs = tmp_path / "root", tmp_path / "configured", tmp_path / "blobs"
+    for d in (root / "ok", configured, blobs):
+        d.mkdir(parents=True)
+    (blobs / "weights").write_bytes(b"")
+    (configured / "adapter_config.json").write_text("{}")
+    (configured / "adapter_model.safetensors").symlink_to(blobs / "weights")   # as in a Hub cache snapshot
+    config = LLMConfig(model="/m", adapter_roots=[str(root)], adapters={"op": str(configured), "hub": "org/lora"})
+    engine = config.replica_engine_config()
+    assert engine.adapter_roots == (str(root), str(configured), str(blobs)) and engine.hub_adapters_allowed
+    assert config.engine_config().adapter_roots == (str(root),)            # what callers are bound by
+    assert LLMConfig(model="/m", adapters={"op": str(configured)}).replica_engine_config().adapter_roots == ()
+
+    check_hotload_source("mine", str(root / "ok"), config.adapter_roots, allow_hub=False)
+    refusals = [str(configured), str(root / "ok" / ".." / ".." / "configured"), str(root / "missing"), "/etc"]
+    messages = set()
+    for source in refusals:
+        with pytest.raises(AdapterPathError) as info:
+            check_hotload_source("mine", source, config.adapter_roots, allow_hub=False)
+        messages.add(str(info.value).replace(repr(source), "SRC"))
+    assert messages == {"adapter 'mine': SRC is not an adapter directory inside the allowed adapter roots"}
+    with pytest.raises(AdapterPathError, match="Hub ids are not allowed"):
+        check_hotload_source("mine", "org/lora", config.adapter_roots, allow_hub=False)
+    check_hotload_source("mine", "org/lora", config.adapter_roots, allow_hub=True)
+    check_hotload_source("mine", "/anywhere", [], allow_hub=True)          # no roots: the engine checks the path
+
+
+@pytest.mark.parametrize("model, field, limit", [(oai.LoadLoRAAdapterRequest, "lora_path", 4096),
+                                                 (oai.LoadLoRAAdapterRequest, "lora_name", 1024),
+                                                 (oai.UnloadLoRAAdapterRequest, "lora_name", 1024)])
+def test_an_over_long_adapter_field_is_a_400_naming_the_field_and_the_limit(model, field, limit):
+    body = {"lora_name": "a", "lora_path": "/a"} if model is oai.LoadLoRAAdapterRequest else {"lora_name": "a"}
+    body[field] = "/" + "x" * (1 << 20)                                    # 1 MB
+    with pytest.raises(ValidationError) as info:
+        model.model_validate_json(json.dumps(body))
+    status, error = error_body(info.value)
+    assert status == 400 and error["error"]["code"] == "invalid_request", error
+    assert error["error"]["message"] == f"{field}: {(1 << 20) + 1} characters, over the limit of {limit}"
+    body[field] = "/" + "x" * (limit - 1)
+    assert model.model_validate_json(json.dumps(body))                     # at the limit: accepted

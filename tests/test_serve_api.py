@@ -169,6 +169,8 @@ BAD_REQUESTS = [  # (what, path, json body or raw text, status, a word of the me
     ("adapter rank too big", "/v1/load_lora_adapter", {"lora_name": "big", "lora_path": "{too_big}"}, 400,
      "max_lora_rank"),
     ("bad adapter name", "/v1/load_lora_adapter", {"lora_name": "a:b", "lora_path": "{too_big}"}, 400, "a:b"),
+    ("1 MB adapter path", "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/" + "x" * (1 << 20)}, 400,
+     "lora_path: 1048577 characters, over the limit of 4096"),
     ("unload unknown", "/v1/unload_lora_adapter", {"lora_name": "nope"}, 404, "nope"),
 ]
 

@@ -155,3 +155,41 @@ def test_demo_model_is_deterministic_and_built_once(tmp_path):
     resolved = resolve(LLMConfig(demo_cache_dir=str(tmp_path / "a"), device="cpu"))
     assert resolved.model == str(model_a) and resolved.adapters == adapters_a
     assert resolved.base_model_name == "loraserve-demo"
+
+
+SERVE_FAILURE = """The deployment failed to start 3 times in a row. This may be due to a problem with its constructor or \
+initial health check failing. See controller logs for details. Error:
+Traceback (most recent call last):
+  File "/venv/ray/serve/_private/deployment_state.py", line 694, in check_ready
+ray.exceptions.RayTaskError(RuntimeError): \x1b[36mray::ServeReplica:loraserve:LLMServer.initialize_and_get_metadata()\
+\x1b[39m (pid=5919, ip=127.0.0.1)
+RuntimeError: Traceback (most recent call last):
+  File "/work/main/deployments/llm_server.py", line 57, in __init__
+    self.engine = AsyncLLMEngine(await asyncio.to_thread(_build_engine, config))
+  File "/work/main/lora/sources.py", line 46, in resolve_source
+    raise AdapterPathError(f"adapter {name!r}: ...")
+lora.errors.AdapterPathError: adapter 'demo-a': '/c/demo-a' is not an adapter directory inside the allowed adapter roots
+"""
+
+
+def test_a_failed_deployment_is_reported_by_the_replicas_own_exception():
+    """Serve's application message only names the deployment; the CLI says what the replica raised."""
+    from types import SimpleNamespace
+
+    from deployments.placement import deploy_error, exception_line
+
+    def status(value, message):
+        return SimpleNamespace(status=SimpleNamespace(value=value), message=message)
+
+    app = SimpleNamespace(message="Failed to update the deployments ['LLMServer'].",
+                          deployments={"OpenAIIngress": status("HEALTHY", ""),
+                                       "LLMServer": status("DEPLOY_FAILED", SERVE_FAILURE)})
+    error = deploy_error(app)
+    assert str(error) == ("an LLMServer replica failed to start: lora.errors.AdapterPathError: adapter 'demo-a': "
+                          "'/c/demo-a' is not an adapter directory inside the allowed adapter roots")
+    assert "Traceback" in error.details and error.details.startswith("LLMServer: The deployment failed")
+    # without a traceback (e.g. a health check that timed out): Serve's deployment message, never the app's
+    app.deployments["LLMServer"] = status("DEPLOY_FAILED", "The deployment failed: health check timed out")
+    assert str(deploy_error(app)) == "The deployment failed: health check timed out"
+    assert exception_line("ValueError: EngineConfig: bad\n") == "ValueError: EngineConfig: bad"
+    assert exception_line("no exception here") is None
