@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors.torch import load
 
 from lora.errors import AdapterConfigError, AdapterUnsupportedError, AdapterWeightsError
 from lora.sources import check_inside_roots, read_small_file, regular_file
@@ -147,13 +147,15 @@ def read_tensor_pairs(name: str, directory: Path, roots: Sequence[str]) -> list[
     check_inside_roots(name, path, roots)
     regular_file(name, path)
     try:
-        tensors = load_file(path)
+        # Read into memory once, not mmap (load_file's way): a host copy backed by the file's pages raises
+        # SIGBUS and kills the process when the file is truncated later (a trainer re-saving into it).
+        tensors = load(path.read_bytes())
     except (OSError, SafetensorError) as error:
         raise AdapterWeightsError(f"adapter {name!r}: cannot read {SAFETENSORS_NAME}: {error}") from error
 
     halves: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
     kinds: dict[str, bool] = {}
-    for key, tensor in tensors.items():
+    for key, tensor in sorted(tensors.items()):   # a deterministic first error
         if key.endswith(".base_layer.weight"):  # a copy of the base weight, not part of the delta
             continue
         match = _TENSOR_KEY.fullmatch(key)

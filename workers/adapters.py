@@ -107,6 +107,10 @@ class AdapterManager:
         """Which read of the adapter's files is resident: part of its KV's prefix-cache identity."""
         return self.cache.load_id(name)
 
+    def forget_slot(self, name: str) -> None:
+        """The adapter's slot holds nothing usable (a rank failed to install it): the next batch loads it anew."""
+        self.slots.remove(name)
+
     def slot_of(self, name: str | None) -> int:
         return -1 if name is None else self.slots.slot_of(name)
 

@@ -249,7 +249,13 @@ class Controller:
         Returns the sequences that produced a token."""
         row = 0
         produced = []
+        samples = [seq.num_computed_tokens + n >= len(seq) for seq, n in scheduled]   # which rows hold a token
+        for name, error in out.failed_adapters.items():   # before any token of theirs is kept
+            self.fail_adapter(name, error)
         for i, (seq, n) in enumerate(scheduled):
+            if seq.is_finished:   # failed with its adapter: its row (if any) is skipped
+                row += samples[i]
+                continue
             start = seq.num_computed_tokens
             seq.num_computed_tokens += n
             if out.prompt_logprobs and out.prompt_logprobs[i] is not None:
@@ -273,6 +279,14 @@ class Controller:
             elif seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
                 self.finish(seq, "length")
         return produced
+
+    def fail_adapter(self, name: str, error: str) -> None:
+        """An adapter a rank could not install: its requests end with `error`, its slot is given up (the next
+        request for it loads it again), every other request carries on."""
+        for seq in [s for s in (*self.running, *self.waiting) if s.adapter == name]:
+            self.finish(seq, "error", error=error)
+            self.errored.append(seq)
+        self.adapters.forget_slot(name)
 
     def _cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Offer the blocks this step fills to the prefix cache, before the step runs: every layer writes

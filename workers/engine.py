@@ -97,7 +97,7 @@ class LLMEngine:
             raise ValueError(f"tensor_parallel_size={cfg.tensor_parallel_size} needs one process per rank; "
                              "use distributed_executor='auto' or 'ray'")
         from workers.worker_group import WorkerGroup  # imports Ray only when actors are asked for
-        return WorkerGroup(cfg, self.runtime, self.platform)
+        return WorkerGroup(cfg, self.runtime, self.platform, self._resident_adapter)
 
     def is_healthy(self) -> bool:
         """False once a worker died or failed: Serve's check_health replaces the replica."""
@@ -195,6 +195,7 @@ class LLMEngine:
                     self._seqs.pop(seq.request_id, None)
                 raise
             touched = touched + self.controller.complete(items, out)
+            touched, self.controller.errored = touched + self.controller.errored, []   # e.g. an adapter failed
         for seq in touched:
             if seq.is_finished:
                 self._seqs.pop(seq.request_id, None)
@@ -237,8 +238,10 @@ class LLMEngine:
 
     # ---- adapters ------------------------------------------------------------
     def _resident_adapter(self, name: str, source: str, load_id: int):
+        """The validated host copy the controller scheduled: what every rank installs (never its files)."""
         adapter = self.adapters.cache.get(name)
-        assert adapter is not None, f"adapter {name!r} scheduled but not resident"
+        if adapter is None:
+            raise RuntimeError(f"adapter {name!r} scheduled but not resident in the host cache")
         return adapter
 
     def _need_lora(self) -> AdapterManager:

@@ -73,3 +73,5 @@ class StepOutput:
     logprobs: list[float]
     top_logprobs: list[list[tuple[int, float]]] | None = None
     prompt_logprobs: list[list[tuple[float, list[tuple[int, float]]]] | None] | None = None
+    # adapter -> why this rank could not install it into its slot (its requests fail, nothing else does)
+    failed_adapters: dict[str, str] = field(default_factory=dict)

@@ -133,13 +133,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
-        for slot, name, source, load_id in plan.lora_loads:
-            self.slot_pool.load(slot, self.get_adapter(name, source, load_id))
+        failed = self._load_slots(plan)
         for init in plan.sampler_inits:
             self.sampler_state.init_slot(*init)
         logits = self._decode(plan) if plan.is_decode else self._mixed(plan)
         num_sampled = len(plan.temperatures)
-        out = StepOutput([], [])
+        out = StepOutput([], [], failed_adapters=failed)
         if plan.wants_prompt_logprobs:
             out.prompt_logprobs = prompt_logprobs(logits[num_sampled:], plan)
         if num_sampled:   # else: only chunks of longer prompts, nothing to sample
@@ -153,6 +152,19 @@ class ModelRunner:
                 out.top_logprobs = [list(zip(ids, lps)) for ids, lps in zip(result.top_ids.tolist(),
                                                                            result.top_logprobs.tolist())]
         return out
+
+    def _load_slots(self, plan: StepPlan) -> dict[str, str]:
+        """The plan's slot loads; an adapter that cannot be installed leaves its slot empty (zero delta) and
+        is reported, so that only its requests fail: no per-adapter fault is an engine fault. The step
+        still runs on every rank (the ranks meet in its collectives)."""
+        failed = {}
+        for slot, name, source, load_id in plan.lora_loads:
+            try:
+                self.slot_pool.load(slot, self.get_adapter(name, source, load_id))
+            except Exception as exc:  # noqa: BLE001  (reported per adapter, the engine carries on)
+                self.slot_pool.clear(slot)
+                failed[name] = f"adapter {name!r} could not be installed on rank {self.tp.rank}: {exc}"
+        return failed
 
     def _decode(self, plan: StepPlan) -> torch.Tensor:
         # The graph-safe path reads its own static slot buffer; only the eager path needs host segments.

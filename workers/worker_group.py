@@ -2,7 +2,10 @@
 
 Every rank executes every StepPlan (the ranks meet in the layers' collectives);
 rank 0 samples and returns the tokens. The plan is put in the object store once
-and every rank reads the same copy. A rank that dies or raises makes the whole
+and every rank reads the same copy; so is each adapter the plan loads into a
+slot: the engine's validated host copy (one object per node), never its files,
+which ranks do not open. A rank that cannot install an adapter reports it, and
+only that adapter's requests fail. A rank that dies or raises makes the whole
 group unhealthy at once: the survivors are killed (they would otherwise wait in
 a collective for a peer that never comes) and every later call raises, so Serve
 replaces the replica. Ray must already be running (the caller's cluster, or
@@ -10,9 +13,11 @@ replaces the replica. Ray must already be running (the caller's cluster, or
 """
 from __future__ import annotations
 
+import collections
 import os
 import time
 from datetime import timedelta
+from typing import Callable
 
 import ray
 from ray.util.placement_group import get_current_placement_group, placement_group, remove_placement_group
@@ -20,7 +25,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from workers.config import EngineConfig
 from workers.device import Platform
-from workers.plan import StepPlan
+from workers.plan import StepOutput, StepPlan
 from workers.ray_utils import (LOOPBACK, actor_resources, listen_on_loopback, local_device_index,
                                worker_bundle_indices, worker_bundles)
 from workers.runner import RuntimeInfo
@@ -49,6 +54,7 @@ class RayWorker:
         self.rank, self.world_size = rank, world_size
         self.worker = None
         self._store_listener = None
+        self._adapters: dict[tuple[str, int], object] = {}   # this step's shipped adapters by (name, load id)
 
     def placement(self) -> dict:
         """What Ray gave this rank: accelerator ids, the visible-devices variable, the logical device index."""
@@ -73,7 +79,7 @@ class RayWorker:
 
         from workers.device import get_platform
         from workers.parallel import TPGroup
-        from workers.worker import Worker, adapter_loader
+        from workers.worker import Worker
 
         platform = get_platform(self.platform.name)   # imports torch_npu here, on the device's process
         device_index = self.placement()["device_index"]
@@ -85,8 +91,13 @@ class RayWorker:
             dist.init_process_group(platform.dist_backend, store=self._store(port), rank=self.rank,
                                     world_size=self.world_size, timeout=timedelta(seconds=DIST_TIMEOUT_S))
             tp = TPGroup(self.rank, self.world_size, dist.group.WORLD)
-        self.worker = Worker(self.config, self.runtime, platform,
-                             adapter_loader(self.config, self.runtime.hf_config), tp, device_index)
+        self.worker = Worker(self.config, self.runtime, platform, self._shipped_adapter, tp, device_index)
+
+    def _shipped_adapter(self, name: str, source: str, load_id: int):
+        adapter = self._adapters.get((name, load_id))
+        if adapter is None or isinstance(adapter, Exception):
+            raise adapter or RuntimeError(f"adapter {name!r} (load {load_id}) was not shipped with the step")
+        return adapter
 
     def _store(self, port: int):
         """The rendezvous store: rank 0 serves it on the loopback socket of `open_store_port`, the others dial it."""
@@ -99,9 +110,15 @@ class RayWorker:
                                  master_listen_fd=fd)
         return dist.TCPStore(LOOPBACK, port, self.world_size, False, timeout)
 
-    def execute(self, plan: StepPlan) -> tuple[list[int], list[float]] | None:
-        out = self.worker.execute(plan)
-        return out if self.rank == 0 else None   # the other ranks sampled the same tokens; don't ship them
+    def execute(self, plan: StepPlan, *adapters) -> StepOutput | dict[str, str]:
+        """`adapters`: the plan's slot loads' adapters, in order (Ray resolves them from the object store)."""
+        self._adapters = {(name, load_id): adapter for (_, name, _, load_id), adapter in zip(plan.lora_loads, adapters)}
+        try:
+            out = self.worker.execute(plan)
+        finally:
+            self._adapters = {}   # installed in the slots now: no second host copy kept
+        # the other ranks sampled the same tokens: only what they could not install comes back
+        return out if self.rank == 0 else out.failed_adapters
 
     def resident_bytes(self) -> dict:
         return self.worker.resident_bytes()
@@ -144,13 +161,17 @@ class WorkerGroup:
     """The engine's executor when tensor_parallel_size > 1 or distributed_executor == "ray"."""
 
     def __init__(self, config: EngineConfig, runtime: RuntimeInfo, platform: Platform,
-                 step_timeout_s: float = STEP_TIMEOUT_S):
+                 get_adapter: Callable[[str, str, int], object] | None = None, step_timeout_s: float = STEP_TIMEOUT_S):
         if not ray.is_initialized():
             raise RuntimeError("tensor_parallel_size > 1 / distributed_executor='ray' runs one Ray actor per rank, "
                                "but Ray is not initialised: call ray.init(...) (or workers.ray_utils.init_local_ray) "
                                "before creating the engine")
         self.size = config.tensor_parallel_size
         self.step_timeout_s = step_timeout_s
+        self.get_adapter = get_adapter
+        # (name, load id) -> the object-store copy of that read of the adapter; as many as the host cache holds
+        self._shipped: collections.OrderedDict[tuple[str, int], ray.ObjectRef] = collections.OrderedDict()
+        self._max_shipped = config.max_loaded_loras
         self.error: str | None = None
         self.workers, self.placement_group, self.owns_placement_group = spawn_workers(config, runtime, platform)
         try:
@@ -161,9 +182,35 @@ class WorkerGroup:
             raise
 
     # ---- calls to every rank -------------------------------------------------
-    def execute(self, plan: StepPlan) -> tuple[list[int], list[float]]:
+    def execute(self, plan: StepPlan) -> StepOutput:
         plan_ref = ray.put(plan)
-        return self._gather([w.execute.remote(plan_ref) for w in self.workers], self.step_timeout_s, "step")[0]
+        refs = [self._ship(name, source, load_id) for _, name, source, load_id in plan.lora_loads]
+        out, *others = self._gather([w.execute.remote(plan_ref, *refs) for w in self.workers], self.step_timeout_s,
+                                    "step")
+        for failed in others:
+            for name, error in failed.items():
+                out.failed_adapters.setdefault(name, error)
+        for key in [key for key in self._shipped if key[0] in out.failed_adapters]:
+            del self._shipped[key]   # the next try ships the engine's copy again
+        return out
+
+    def _ship(self, name: str, source: str, load_id: int) -> ray.ObjectRef:
+        """The validated host copy of this read of the adapter in the object store, put once; a copy that
+        cannot be had is shipped as its error, so the ranks fail that adapter alone."""
+        key = (name, load_id)
+        if key in self._shipped:
+            self._shipped.move_to_end(key)
+            return self._shipped[key]
+        try:
+            if self.get_adapter is None:
+                raise RuntimeError("this worker group was built without an adapter source")
+            adapter = self.get_adapter(name, source, load_id)
+        except Exception as exc:  # noqa: BLE001  (a per-adapter fault, reported through the ranks)
+            return ray.put(RuntimeError(f"adapter {name!r}: no validated copy to ship: {exc}"))
+        self._shipped[key] = ray.put(adapter)
+        while len(self._shipped) > self._max_shipped:
+            self._shipped.popitem(last=False)
+        return self._shipped[key]
 
     def resident_bytes(self) -> list[dict]:
         """Per rank: parameter bytes by name, LoRA slot bytes, KV cache bytes."""
