@@ -12,8 +12,12 @@ The emulator does what the real kernels do, on the host and in device memory (RE
 - every tensor is read as the kernels read device memory: densely from its data pointer,
   whatever its strides say (a strided weight or y is read wrongly, not refused);
 - tokens with a negative index, and tokens past the last segment, are left untouched.
-`CONVENTION["now"] = "pr676"` makes sgmv behave as the open upstream change would (int32
-indices and model-dtype buffers, checked), for the start-up probe's test.
+`CONVENTION["now"]` picks the contract emulated, for the start-up probe's tests:
+- TODAY ("2026.08.21", the tag lora/backends/ascend.py pins): the above;
+- PR676 ("pr676", the open upstream change, for sgmv and bgmv alike): indices and seq_len must be
+  int32, the shrink's y and the expand's x must have the model's dtype, and the rank (the shrink's y
+  rows, the expand's R) a multiple of 16, all host checks (RuntimeError), so today's calls raise;
+- RAISES ("raises"): every call fails as a kernel that cannot run on this device (RuntimeError).
 """
 from __future__ import annotations
 
@@ -25,7 +29,8 @@ import torch
 
 HALF = (torch.float16, torch.bfloat16)
 CALLS: Counter[str] = Counter()
-CONVENTION = {"now": "2026.9.0"}
+TODAY, PR676, RAISES = "2026.08.21", "pr676", "raises"
+CONVENTION = {"now": TODAY}
 LIBRARIES: list[torch.library.Library] = []  # keeps the registrations alive for the session
 
 
@@ -48,10 +53,15 @@ def dense(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.as_strided(t, shape, strides, t.storage_offset())
 
 
+def pr676() -> bool:
+    return CONVENTION["now"] == PR676
+
+
 def check_index(t: torch.Tensor, what: str) -> None:
-    if CONVENTION["now"] == "pr676":
-        host_check(t.dtype == torch.int32, f"{what} must be int32")
-    undefined(t.dtype == torch.int64 or CONVENTION["now"] == "pr676", f"{what} read as int64, got {t.dtype}")
+    if pr676():
+        host_check(t.dtype == torch.int32, f"{what} must be int32, got {t.dtype}")
+    else:
+        undefined(t.dtype == torch.int64, f"{what} read as int64, got {t.dtype}")
 
 
 def per_segment(lora_indices, seq_len, T) -> list[int | None]:
@@ -69,14 +79,20 @@ def per_token(indices, T) -> list[int]:
     return indices.tolist()
 
 
+def kernel_runs(name: str) -> None:
+    CALLS[name] += 1
+    host_check(CONVENTION["now"] != RAISES, f"{name}: EZ9999 the kernel failed to launch (emulated)")
+
+
 def shrink(kind: str, x, weight, slots: list[int | None], y, scale: float) -> None:
-    CALLS[kind + "_shrink"] += 1
+    kernel_runs(kind + "_shrink")
     host_check(x.dtype in HALF, f"x must be fp16/bf16, got {x.dtype}")
     host_check(x.dim() == 2 and y.dim() == 2 and weight.dim() in (3, 4), "x, y 2-D; weight 3-D or 4-D")
     host_check(x.size(0) > 0, "num_tokens_per_core != 0")
     host_check(x.size(1) > y.size(1), "x.size(1) > y.size(1)")
-    if CONVENTION["now"] == "pr676" and kind == "sgmv":
-        host_check(y.dtype == x.dtype, "y must have x's dtype")
+    if pr676():
+        host_check(y.dtype == x.dtype, f"y must have x's dtype {x.dtype}, got {y.dtype}")
+        host_check(y.size(1) % 16 == 0, f"rank {y.size(1)} must be a multiple of 16")
     else:
         undefined(y.dtype == torch.float32, f"y is written as fp32, got {y.dtype}")
     undefined(weight.dtype == x.dtype, f"weight read as {x.dtype}, got {weight.dtype}")
@@ -91,15 +107,18 @@ def shrink(kind: str, x, weight, slots: list[int | None], y, scale: float) -> No
 
 
 def expand(kind: str, x, weight, slots: list[int | None], y, slice_offset: int, slice_size: int) -> torch.Tensor:
-    CALLS[kind + "_expand"] += 1
+    kernel_runs(kind + "_expand")
     host_check(y.dtype in HALF, f"y must be fp16/bf16, got {y.dtype}")
     host_check(x.dim() == 2 and y.dim() == 2 and weight.dim() in (3, 4), "x, y 2-D; weight 3-D or 4-D")
     host_check(x.size(0) > 0, "num_tokens_per_core != 0")
     (T, R), L = x.shape, weight.size(0)
     host_check(R <= slice_size and slice_offset >= 0 and slice_offset + slice_size <= y.size(1),
                "R <= slice_size, 0 <= slice_offset, slice_offset + slice_size <= y.size(1)")
-    undefined(x.dtype == (y.dtype if CONVENTION["now"] == "pr676" and kind == "sgmv" else torch.float32),
-              f"x read as fp32, got {x.dtype}")
+    if pr676():
+        host_check(x.dtype == y.dtype, f"x must have y's dtype {y.dtype}, got {x.dtype}")
+        host_check(R % 16 == 0, f"rank {R} must be a multiple of 16")
+    else:
+        undefined(x.dtype == torch.float32, f"x read as fp32, got {x.dtype}")
     undefined(weight.dtype == y.dtype, f"weight read as {y.dtype}, got {weight.dtype}")
     undefined(R in (8, 16, 32, 64), f"a reduction for R = {R}")
     undefined(slice_size % 16 == 0, f"copies of whole 32-byte blocks: slice_size {slice_size}")

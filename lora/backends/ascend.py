@@ -1,102 +1,141 @@
 """LoRA on Ascend NPUs through sgl_kernel_npu's kernels (`torch.ops.npu.*`), and their start-up probe.
 
-Built against sgl-kernel-npu SGL_KERNEL_NPU_VERSION (the conventions below were checked against
-its sources; an open upstream change, PR #676, would switch sgmv to int32 indices and
-model-dtype buffers, hence `probe`). The kernels' conventions, all honoured here (buffer
-layout: lora/ops.py):
-- shrink(x, weight, indices.., y, scale): x fp16/bf16 [T, in], weight [L, rows, in], y fp32
-  [T, rows] written where the token's index is >= 0 (so y is zeroed first); rows < in.
-- expand(x, weight, indices.., y, slice_offset, slice_size): x fp32 [T, R] read densely; slot
-  l's block read as the contiguous [slice_size, R] at element l * R * slice_size; y fp16/bf16
-  updated in place with row stride y.size(1), so a strided y goes through a contiguous copy.
-- sgmv_* take segments (info.seg_slots / seg_lens) and find a token's segment by walking from
-  the first on every core; bgmv_* read indices[t] (info.token_slots) directly. All int64.
-Where the kernels' results are undefined or their host checks raise, `eligible` says no and
-the torch ops of the same phase run instead: fp32 (a TORCH_CHECK raises; nothing is skipped
-silently), bf16 on 310P (its bf16 kernels are not built), R outside {8, 16, 32, 64} (the
+Built against sgl-kernel-npu SGL_KERNEL_NPU_VERSION (tag 2026.08.21 = commit f425bdf1; the conventions
+below were checked against its sources). Two contracts exist for the same four op schemas, and the
+probe (`probe` / `installed_contract`) tells which one the installed kernels follow:
+- TODAY (the tag): indices and seq_len read as int64 (int32 is misread, silently); the rank buffer h
+  is fp32 (shrink writes it, expand reads it); expand reductions for R in {8, 16, 32, 64}.
+- PR676 (sgl-kernel-npu PR #676, open upstream): int32 indices and a model-dtype h for sgmv and bgmv
+  alike, enforced by TORCH_CHECKs (so today's calls raise on it), and rank % 16 checks.
+The conventions shared by both, honoured here (buffer layout: lora/ops.py):
+- shrink(x, weight, indices.., h, scale): x fp16/bf16 [T, in], weight [L, rows, in], h [T, rows]
+  written where the token's index is >= 0 (so h is zeroed first); rows < in.
+- expand(h, weight, indices.., y, slice_offset, slice_size): h [T, R] read densely; slot l's block
+  read as the contiguous [slice_size, R] at element l * R * slice_size; y fp16/bf16 updated in place
+  with row stride y.size(1) (so a strided y goes through a contiguous copy, and y.size(1) % 16 == 0
+  keeps every row's offset on a 32-byte block).
+- sgmv_* take segments (info.seg_slots / seg_lens) and find a token's segment by walking from the
+  first on every core; bgmv_* read indices[t] (info.token_slots) directly.
+Where the kernels' results are undefined or their host checks raise, `eligible` says no and the torch
+ops of the same phase run instead: fp32 (a TORCH_CHECK raises), R outside the contract's ranks (the
 expand has no reduction for it), and copies that are not whole 32-byte blocks (DataCopy, not
-DataCopyPad): in % 16, every slice_size % 16 (the LM head shard is padded to 16 rows for
-this) and fp32 shrink rows (stack * R) % 8, which R in {8, ..} already gives. T = 0 fails
-their host check too: lora/ops.py returns before any implementation runs.
+DataCopyPad): in % 16, every slice_size % 16 and y's width % 16 (the LM head shard is padded to 16
+rows for this), fp32 h rows (stack * R) % 8, which R in {8, ..} already gives. T = 0 fails their host
+check too: LayerLoRA returns before any op runs. 310P chips have no sgl-kernel-npu build at all
+(vllm-ascend runs torch ops there): `kernel_dtypes` is empty, so the ascend backend is never chosen
+there (`unavailable_reason`, which lora.backends.get_backend reads: one message, then torch_native).
 """
 from __future__ import annotations
 
 import functools
 import importlib.metadata
+import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from lora import ops as torch_ops
 from lora.backends.base import LayerLoRA, LoRABackend, torch_ops as torch_layer_ops
-from lora.batch import LoRABatchInfo
+from lora.batch import LoRABatchInfo, segments
 from lora.transfer import to_device
 
-SGL_KERNEL_NPU_VERSION = "2026.9.0"
+log = logging.getLogger(__name__)
+
+SGL_KERNEL_NPU_VERSION = "2026.08.21"   # the sgl-kernel-npu tag (there is no 2026.9.0)
+SGL_KERNEL_NPU_COMMIT = "f425bdf1"
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 KERNEL_RANKS = (8, 16, 32, 64)
 ALIGN = 16   # fp16 / bf16 elements per 32-byte block
 _T, _F, _I = "Tensor", "float", "int"
-SCHEMAS = {  # the argument types of the schemas we call
+SCHEMAS = {  # the argument types of the schemas we call (the same under both contracts)
     "sgmv_shrink": (_T, _T, _T, _T, _T, _F), "sgmv_expand": (_T, _T, _T, _T, _T, _I, _I),
     "bgmv_shrink": (_T, _T, _T, _T, _F), "bgmv_expand": (_T, _T, _T, _T, _I, _I),
 }
 
 
+@dataclass(frozen=True)
+class Contract:
+    """How the installed kernels read their operands (the module docstring)."""
+    name: str
+    index_dtype: torch.dtype                 # lora_indices / seq_len / indices
+    fp32_h: bool                             # the rank buffer h: fp32, else the model's dtype
+    ranks: tuple[int, ...]                   # the R the expand has a reduction for
+
+    def h_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return torch.float32 if self.fp32_h else dtype
+
+    def __str__(self) -> str:
+        h = "fp32" if self.fp32_h else "model-dtype"
+        return f"{self.name} ({str(self.index_dtype).removeprefix('torch.')} indices, {h} rank buffer)"
+
+
+TODAY = Contract(f"sgl-kernel-npu {SGL_KERNEL_NPU_VERSION}", torch.int64, True, KERNEL_RANKS)
+PR676 = Contract("sgl-kernel-npu PR #676", torch.int32, False, (16, 32, 64))
+CONTRACTS = (TODAY, PR676)   # tried in this order: today's call raises on PR #676's host checks
+
+
 def kernel_dtypes(device_name: str) -> tuple[torch.dtype, ...]:
-    """The dtypes the kernels are built for on this chip: the bf16 ones need __CCE_AICORE__ >= 220."""
-    return (torch.float16,) if "310P" in device_name else KERNEL_DTYPES
+    """The dtypes sgl-kernel-npu has kernels for on this chip: none on 310P (no build target there)."""
+    return () if "310P" in device_name else KERNEL_DTYPES
 
 
-@functools.cache   # per device index: a fact of the hardware, asked on every layer's call
-def _device_dtypes(index: int) -> tuple[torch.dtype, ...]:
-    return kernel_dtypes(torch.npu.get_device_name(index))
+@functools.cache   # per device index: a fact of the hardware
+def _device_name(index: int) -> str:
+    return torch.npu.get_device_name(index)
 
 
 def device_dtypes(device: torch.device) -> tuple[torch.dtype, ...]:
     """On an NPU its chip's; elsewhere (the CPU emulator of the contract tests) both."""
-    return _device_dtypes(device.index or 0) if device.type == "npu" else KERNEL_DTYPES
+    return kernel_dtypes(_device_name(device.index or 0)) if device.type == "npu" else KERNEL_DTYPES
 
 
 def eligible(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: Sequence[torch.Tensor], offsets: Sequence[int],
-             dtypes: tuple[torch.dtype, ...] = KERNEL_DTYPES) -> bool:
+             dtypes: tuple[torch.dtype, ...] = KERNEL_DTYPES, *, ranks: tuple[int, ...] = KERNEL_RANKS) -> bool:
     """Whether the kernels compute y += x @ a.T @ b.T for these operands (see the module docstring)."""
     R, stack, in_dim = b[0].shape[2], len(b), x.shape[1]
     return (x.dtype in dtypes and y.dtype == x.dtype and a.dtype == x.dtype and all(b_s.dtype == x.dtype for b_s in b)
-            and R in KERNEL_RANKS and in_dim % ALIGN == 0 and in_dim > stack * R
+            and R in ranks and in_dim % ALIGN == 0 and in_dim > stack * R and y.shape[1] % ALIGN == 0
             and all((offsets[s + 1] - offsets[s]) % ALIGN == 0 and offsets[s + 1] - offsets[s] >= R
                     for s in range(stack)))
 
 
-def _add_lora(y, x, a, b, offsets, info: LoRABatchInfo, by_token: bool, ops) -> None:
+def _run(y, x, a, b, offsets, index: tuple[torch.Tensor, ...], by_token: bool, ops, contract: Contract) -> None:
     R = b[0].shape[2]
     assert a.is_contiguous() and all(b_s.is_contiguous() for b_s in b), "the kernels read the slot buffers densely"
     assert a.shape[1] == len(b) * R and offsets[-1] <= y.shape[1], (a.shape, R, offsets, y.shape)
-    index = (info.token_slots,) if by_token else (info.seg_slots, info.seg_lens)
+    index = tuple(t if t.dtype == contract.index_dtype else t.to(contract.index_dtype) for t in index)
     shrink, expand = (ops.bgmv_shrink, ops.bgmv_expand) if by_token else (ops.sgmv_shrink, ops.sgmv_expand)
-    h = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float32, device=x.device)   # base rows stay 0
+    h = torch.zeros(x.shape[0], a.shape[1], dtype=contract.h_dtype(x.dtype), device=x.device)   # base rows stay 0
     shrink(x.contiguous(), a, *index, h, 1.0)   # scaling is folded into b
     out = y if y.is_contiguous() else y.contiguous()
+    # the expand's row t starts at element t * y.size(1): whole 32-byte blocks only (eligible checks it)
+    assert out.size(1) % ALIGN == 0, f"y row stride {out.size(1)} is not a multiple of {ALIGN} elements"
     for s, b_s in enumerate(b):
         expand(h[:, s * R:(s + 1) * R].contiguous(), b_s, *index, out, offsets[s], offsets[s + 1] - offsets[s])
     if out is not y:
         y.copy_(out)
 
 
+def _add_lora(y, x, a, b, offsets, info: LoRABatchInfo, by_token: bool, ops, contract: Contract = TODAY) -> None:
+    index = (info.token_slots,) if by_token else (info.seg_slots, info.seg_lens)
+    _run(y, x, a, b, offsets, index, by_token, ops, contract)
+
+
 def add_lora_sgmv(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: Sequence[torch.Tensor],
-                  offsets: Sequence[int], info: LoRABatchInfo) -> None:
+                  offsets: Sequence[int], info: LoRABatchInfo, *, contract: Contract = TODAY) -> None:
     """Prefill: sgmv over the step's segments; where the kernels do not apply, the torch segments."""
-    if not eligible(y, x, a, b, offsets, device_dtypes(x.device)):
+    if not eligible(y, x, a, b, offsets, device_dtypes(x.device), ranks=contract.ranks):
         return torch_ops.add_lora_segments(y, x, a, b, offsets, info)
-    _add_lora(y, x, a, b, offsets, info, False, torch.ops.npu)
+    _add_lora(y, x, a, b, offsets, info, False, torch.ops.npu, contract)
 
 
 def add_lora_bgmv(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: Sequence[torch.Tensor],
-                  offsets: Sequence[int], info: LoRABatchInfo) -> None:
+                  offsets: Sequence[int], info: LoRABatchInfo, *, contract: Contract = TODAY) -> None:
     """Decode and graph replay: bgmv over info.token_slots (fixed size); else the masked torch ops."""
-    if not eligible(y, x, a, b, offsets, device_dtypes(x.device)):
+    if not eligible(y, x, a, b, offsets, device_dtypes(x.device), ranks=contract.ranks):
         return torch_ops.add_lora_masked(y, x, a, b, offsets, info)
-    _add_lora(y, x, a, b, offsets, info, True, torch.ops.npu)
+    _add_lora(y, x, a, b, offsets, info, True, torch.ops.npu, contract)
 
 
 def _installed_version() -> str:
@@ -106,8 +145,31 @@ def _installed_version() -> str:
         return "(no package metadata)"
 
 
-def _known_answer(ops, device: torch.device, dtype: torch.dtype, by_token: bool) -> str | None:
-    """One tiny call against torch's result (small integers: exact in every dtype); None if equal."""
+ADVICE = (f"install sgl-kernel-npu {SGL_KERNEL_NPU_VERSION} (commit {SGL_KERNEL_NPU_COMMIT}) built for your CANN "
+          f"toolkit and SoC (README: 'Run on a Ray cluster of NPUs'), or set lora_backend: torch_native")
+
+
+def _kernel_ops(ops):
+    """The op namespace holding the kernels: `ops`, else torch.ops.npu once sgl_kernel_npu registered them."""
+    if ops is not None:
+        return ops
+    if not hasattr(torch.ops.npu, "sgmv_shrink"):
+        try:
+            import sgl_kernel_npu  # noqa: F401  registers torch.ops.npu.* (needs torch_npu and CANN)
+        except Exception as exc:   # absent (ImportError), or a build for another CANN / torch (OSError, ...)
+            raise RuntimeError(f"sgl_kernel_npu is not importable ({exc.__class__.__name__}: {exc}); {ADVICE}") from exc
+    return torch.ops.npu
+
+
+def _synchronize(device: torch.device) -> None:
+    """A kernel's device-side failure surfaces here (launches are asynchronous)."""
+    if device.type != "cpu":
+        getattr(torch, device.type).synchronize()
+
+
+def _known_answer(ops, device: torch.device, dtype: torch.dtype, by_token: bool, contract: Contract) -> str | None:
+    """One tiny call under `contract` against torch's result (small integers: exact in every dtype, the
+    rank buffer's included); None if equal, else what went wrong."""
     T, in_dim, R, out = 3, 32, 16, 16
     small = lambda n, shape: ((torch.arange(n) % 3) - 1).reshape(shape)  # noqa: E731
     x, a, b = small(T * in_dim, (T, in_dim)), small(2 * R * in_dim, (2, R, in_dim)), small(2 * out * R, (2, out, R))
@@ -117,54 +179,77 @@ def _known_answer(ops, device: torch.device, dtype: torch.dtype, by_token: bool)
     for t, slot in enumerate(slots):
         if slot >= 0:
             expected[t] += b[slot] @ (a[slot] @ x[t])
-    i64 = dict(dtype=torch.int64, device=device)
-    info = LoRABatchInfo(token_slots=to_device(slots, device, torch.int64), seg_lens=torch.ones(T, **i64),
-                         seg_slots=to_device(slots, device, torch.int64), seg_lens_host=(1,) * T, seg_slots_host=tuple(slots),
-                         slot_ranks_host=(R, R), max_rank=R, phase="decode")
-    y = y0.to(device, dtype)
-    try:
-        _add_lora(y, x.to(device, dtype), a.to(device, dtype), (b.to(device, dtype),), (0, out), info, by_token, ops)
-    except Exception as exc:  # a kernel's host check: exactly what a changed convention looks like
-        return f"{exc.__class__.__name__}: {exc}"
-    got = y.float().cpu()
+    index = ((to_device(slots, device, torch.int64),) if by_token else
+             (to_device(slots, device, torch.int64), to_device([1] * T, device, torch.int64)))
+    try:   # a kernel's host check raises at the call, its device-side error at the synchronisation
+        y = y0.to(device, dtype)
+        _run(y, x.to(device, dtype), a.to(device, dtype), (b.to(device, dtype),), (0, out), index, by_token, ops,
+             contract)
+        _synchronize(device)
+        got = y.float().cpu()
+    except Exception as exc:
+        return f"{exc.__class__.__name__}: {''.join(str(exc).strip().splitlines()[:1])}"
     return None if torch.equal(got, expected) else f"wrong result {got.tolist()}, expected {expected.tolist()}"
 
 
-def probe(device: torch.device | str, dtype: torch.dtype, ops=None) -> None:
-    """At start-up: the installed kernels have our schemas and give the known answer, or RuntimeError
-    naming the version we build against. `ops`: the op namespace (default torch.ops.npu)."""
+def probe(device: torch.device | str, dtype: torch.dtype, ops=None) -> Contract | None:
+    """At start-up: which contract (TODAY or PR676) the installed kernels follow, by their op schemas and a
+    tiny known-answer call of sgmv and bgmv under each (today's first: PR #676's TORCH_CHECKs refuse its
+    int64 indices, so a call never reads indices of the wrong width on a kernel that checks). None when
+    nothing of the kernels is used for `dtype` here; RuntimeError naming both contracts when neither
+    gives the known answer. `ops`: the op namespace (default torch.ops.npu, importing sgl_kernel_npu)."""
     device = torch.device(device)
     if dtype not in device_dtypes(device):
-        return   # every call falls back to the torch ops: nothing of the kernels is used
-    advice = (f"install sgl-kernel-npu {SGL_KERNEL_NPU_VERSION} built for your CANN toolkit, or set "
-              f"lora_backend: torch_native")
-    if ops is None:
-        if not hasattr(torch.ops.npu, "sgmv_shrink"):
-            try:
-                import sgl_kernel_npu  # noqa: F401  registers torch.ops.npu.* (needs torch_npu and CANN)
-            except ImportError as exc:
-                raise RuntimeError(f"lora_backend 'ascend' needs sgl_kernel_npu ({exc}); {advice}") from exc
-        ops = torch.ops.npu
+        return None   # every call falls back to the torch ops: nothing of the kernels is used
+    ops = _kernel_ops(ops)
     for name, types in SCHEMAS.items():
         packet = getattr(ops, name, None)
         got = tuple(str(arg.type) for arg in packet.default._schema.arguments) if packet is not None else None
         if got != types:
             found = "is missing" if got is None else f"takes {got}, expected {types}"
-            raise RuntimeError(f"sgl_kernel_npu {_installed_version()}: op {name} {found}; {advice}")
-    for by_token, kind in ((False, "sgmv"), (True, "bgmv")):
-        wrong = _known_answer(ops, device, dtype, by_token)
-        if wrong:
-            raise RuntimeError(f"sgl_kernel_npu {_installed_version()}: {kind} with the conventions of "
-                               f"{SGL_KERNEL_NPU_VERSION} (int64 indices, fp32 shrink output) failed: {wrong}; {advice}")
+            raise RuntimeError(f"sgl_kernel_npu {_installed_version()}: op {name} {found}; {ADVICE}")
+    failures = []
+    for contract in CONTRACTS:
+        wrong = next((f"{kind} {w}" for by_token, kind in ((False, "sgmv"), (True, "bgmv"))
+                      if (w := _known_answer(ops, device, dtype, by_token, contract))), None)
+        if wrong is None:
+            if contract is not TODAY:
+                log.warning("sgl_kernel_npu %s follows %s, not %s: calling it that way", _installed_version(),
+                            contract, TODAY)
+            return contract
+        failures.append(f"with the conventions of {contract}: {wrong}")
+    raise RuntimeError(f"sgl_kernel_npu {_installed_version()} follows neither contract this backend knows ("
+                       + "; ".join(failures) + f"); {ADVICE}")
+
+
+_PROBED: dict[tuple, Contract | None] = {}   # (device, dtype, ops) -> the probe's answer, once per process
+
+
+def _key(device: torch.device | str, dtype: torch.dtype, ops) -> tuple:
+    return str(torch.device(device)), dtype, id(ops) if ops is not None else None
+
+
+def installed_contract(device: torch.device | str, dtype: torch.dtype, ops=None) -> Contract | None:
+    """`probe`'s answer, probed once per (device, dtype, op namespace); raises as `probe` does."""
+    key = _key(device, dtype, ops)
+    if key not in _PROBED:
+        _PROBED[key] = probe(device, dtype, ops=ops)
+    return _PROBED[key]
 
 
 def unavailable_reason(device: torch.device | str, dtype: torch.dtype, ops=None) -> str | None:
-    """Why the kernels cannot serve `dtype` on `device` (None: they can; the probe passed)."""
+    """The "kernels absent -> torch_native" decision (lora.backends.get_backend): why the ascend backend cannot
+    serve `dtype` on `device` (a 310P chip, a dtype without kernels, sgl_kernel_npu absent or of an unknown
+    contract), as one message; None: it can (the probe passed)."""
     device = torch.device(device)
-    if dtype not in device_dtypes(device):
-        return f"sgl_kernel_npu has no {dtype} kernels for this chip (has {list(device_dtypes(device))})"
+    dtypes = device_dtypes(device)
+    if not dtypes:
+        return (f"{_device_name(device.index or 0)}: sgl-kernel-npu has no build for 310P chips (vllm-ascend runs "
+                f"the torch ops there too)")
+    if dtype not in dtypes:
+        return f"sgl_kernel_npu has no {dtype} kernels (only {', '.join(str(d) for d in dtypes)})"
     try:
-        probe(device, dtype, ops=ops)
+        installed_contract(device, dtype, ops=ops)
     except RuntimeError as exc:
         return str(exc)
     return None
@@ -172,26 +257,35 @@ def unavailable_reason(device: torch.device | str, dtype: torch.dtype, ops=None)
 
 class AscendBackend(LoRABackend):
     """sgmv over the step's segments for prefill, bgmv over the per-token slots for decode and graph
-    replay; layers the kernels do not take (see `eligible`) run the torch maths, decided at wrap time."""
+    replay, called under the installed kernels' contract; layers the kernels do not take (see `eligible`)
+    run the torch maths, decided at wrap time."""
 
     name = "ascend"
 
-    def __init__(self, device: torch.device | str, dtype: torch.dtype, max_rank: int, ops=None):
+    def __init__(self, device: torch.device | str, dtype: torch.dtype, max_rank: int, ops=None,
+                 contract: Contract | None = None):
         super().__init__(device, dtype, max_rank)
         self.ops = ops if ops is not None else torch.ops.npu
+        # the contract the probe found (lora.backends.get_backend probes before building the backend)
+        self.contract = contract or _PROBED.get(_key(device, dtype, ops)) or TODAY
         self.needs_plan = False   # a layer on the torch maths (or an embedding) reads the grouped plan
 
     def batch_info(self, token_slots: list[int], slot_ranks: Sequence[int], phase: str) -> LoRABatchInfo:
         plan = super().batch_info(token_slots, slot_ranks, phase).plan if self.needs_plan else None
         any_lora = any(s >= 0 and slot_ranks[s] > 0 for s in token_slots)
-        fields = self._segment_tensors(token_slots)
-        if phase != "prefill":   # bgmv reads only the per-token slots
-            fields = {"token_slots": fields["token_slots"]}
+        if phase == "prefill":   # three views of one transfer, in the contract's index dtype
+            lens, slots = segments(token_slots)
+            T, S = len(token_slots), len(lens)
+            packed = to_device([*token_slots, *lens, *slots], self.device, self.contract.index_dtype)
+            fields = dict(token_slots=packed[:T], seg_lens=packed[T:T + S], seg_slots=packed[T + S:])
+        else:                    # bgmv reads only the per-token slots
+            fields = dict(token_slots=to_device(token_slots, self.device, self.contract.index_dtype))
         return LoRABatchInfo(phase=phase, plan=plan, any_lora=any_lora, max_rank=self.max_rank, **fields)
 
     def bind(self, layer: str, a: torch.Tensor, b: Sequence[torch.Tensor], offsets: Sequence[int]) -> LayerLoRA:
         y, x = torch.empty(0, offsets[-1], dtype=self.dtype), torch.empty(0, a.shape[2], dtype=self.dtype)
-        if not eligible(y, x, a, b, offsets, device_dtypes(self.device)):
+        contract = self.contract
+        if not eligible(y, x, a, b, offsets, device_dtypes(self.device), ranks=contract.ranks):
             self.fallback(layer, f"sgl_kernel_npu does not take {self.dtype}, in {a.shape[2]}, rank {b[0].shape[2]}, "
                                  f"slices {[offsets[s + 1] - offsets[s] for s in range(len(b))]}")
             self.needs_plan = True
@@ -199,10 +293,10 @@ class AscendBackend(LoRABackend):
         kernels = self.ops
 
         def sgmv(y, x, info):
-            _add_lora(y, x, a, b, offsets, info, False, kernels)
+            _add_lora(y, x, a, b, offsets, info, False, kernels, contract)
 
         def bgmv(y, x, info):
-            _add_lora(y, x, a, b, offsets, info, True, kernels)
+            _add_lora(y, x, a, b, offsets, info, True, kernels, contract)
 
         return LayerLoRA(sgmv, bgmv, bgmv)
 
