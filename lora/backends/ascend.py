@@ -42,7 +42,7 @@ from lora.transfer import to_device
 
 log = logging.getLogger(__name__)
 
-SGL_KERNEL_NPU_VERSION = "2026.08.21"   # the sgl-kernel-npu tag (there is no 2026.9.0)
+SGL_KERNEL_NPU_VERSION = "2026.08.21"   # the sgl-kernel-npu tag (its newest)
 SGL_KERNEL_NPU_COMMIT = "f425bdf1"
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 KERNEL_RANKS = (8, 16, 32, 64)
