@@ -413,6 +413,18 @@ def test_310p_takes_the_torch_ops(fake_npu, monkeypatch, caplog):
     assert not ascend.eligible(case.y, case.x, case.a, case.b, case.offsets, ascend.kernel_dtypes("Ascend310P3"))
 
 
+@pytest.mark.parametrize("chip,devices,checkpoint,want", [
+    ("Ascend310P3", 1, "bfloat16", "float16"), ("Ascend310P3", 1, None, "float16"),
+    ("Ascend310P3", 1, "float32", "float32"), ("Ascend910B1", 1, "bfloat16", "bfloat16"),
+    ("Ascend910B1", 1, "float16", "float16"), ("Ascend310P3", 0, "bfloat16", "bfloat16"),   # no device: unknown
+])
+def test_310p_defaults_to_fp16(fake_npu, monkeypatch, chip, devices, checkpoint, want):
+    from workers.device import PLATFORMS
+    monkeypatch.setattr(torch.npu, "get_device_name", lambda index=0: chip)
+    monkeypatch.setattr(torch.npu, "device_count", lambda: devices)
+    assert PLATFORMS["npu"].default_dtype(checkpoint) == want
+
+
 class _OpsWithout:
     """torch.ops whose `npu` namespace lacks the kernels (as before sgl_kernel_npu is imported)."""
 

@@ -37,9 +37,20 @@ class Platform:
     def default_dtype(self, checkpoint_dtype: str | None) -> str:
         """`dtype: auto`: the checkpoint's dtype (as HF's `dtype="auto"`), 16-bit ones made bf16 on a CPU that
         has bf16 instructions (AVX512-BF16 / AMX: oneDNN's bf16 GEMMs run 2-5x its fp32 ones) and fp32 on one
-        without (bf16 would be emulated, slower). fp32 checkpoints stay fp32: `--dtype bfloat16` opts in."""
+        without (bf16 would be emulated, slower). fp32 checkpoints stay fp32: `--dtype bfloat16` opts in. A 310P
+        NPU has no bf16: 16 bits are fp16 there. Its name is read from the device this process sees; a process that sees none (a TP > 1 replica: Ray hides the
+        NPUs from it) cannot tell, and a 310P deployment of that kind sets `dtype: float16` itself."""
+        half = "bfloat16"
+        if self.name == "npu":
+            try:   # torch_npu is loaded on this platform (get_platform); a hidden device reads as none
+                if torch.npu.device_count() > 0 and "310P" in torch.npu.get_device_name(torch.npu.current_device()):
+                    half = "float16"
+            except Exception:   # no driver or no device in this process: the name is unknown
+                pass
         if checkpoint_dtype not in ("float16", "bfloat16"):
-            return "float32" if self.name == "cpu" or checkpoint_dtype == "float32" else "bfloat16"
+            return "float32" if self.name == "cpu" or checkpoint_dtype == "float32" else half
+        if self.name == "npu" and half == "float16":
+            return "float16"
         if self.name != "cpu":
             return checkpoint_dtype
         return "bfloat16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32"
