@@ -2,12 +2,19 @@
 # The CUDA check, ready to run unattended on a machine with an NVIDIA GPU (never part of CI):
 #   1. a scratch venv with a CUDA build of the pinned torch and the project's other pins;
 #   2. tests/test_capture.py's CUDA tests (graph capture replays exactly, the LoRA ops inside a
-#      captured graph) and the graph-safe LoRA op tests;
-#   3. one throughput run on CUDA (base, 1 adapter, 8 adapters; bf16, the benchmark checkpoint).
-# It prints each step's result and a summary, and exits non-zero if a step failed.
+#      captured graph);
+#   3. LoRA on the device (lora_device): a tiny random Qwen3 and the six PEFT adapters of the LoRA tests,
+#      built here, loaded into an fp32 CUDA engine; a batch mixing every adapter and the base decoded
+#      through captured graphs, token for token the CPU engine's (fp32, eager);
+#   4. the graph-safe LoRA op tests;
+#   5. one throughput run on CUDA (base, 1 adapter, 8 adapters; bf16, the benchmark checkpoint).
+# It prints each step's result and a summary, and exits non-zero if a step failed. Nothing needs the
+# network but the package index (for the venv of step 1).
 #
 #   bash benchmarks/gpu_check.sh                 # from the checkout's root, or from anywhere
 #   TORCH_CUDA_INDEX_URL=<index> bash benchmarks/gpu_check.sh
+#   bash benchmarks/gpu_check.sh --dry-run       # no GPU: step 3 alone on the CPU (capture emulated),
+#                                                # with the checkout's .venv (or $PYTHON)
 #
 # TORCH_CUDA_INDEX_URL: the package index holding the CUDA build of torch (passed to pip as
 # --index-url for torch alone); unset, pip's own configured index, whose Linux torch wheels are
@@ -54,8 +61,83 @@ finish() {
     exit "$FAILED"
 }
 
+# Step 3's program (argument --device cuda | cpu), run from the checkout's root.
+LORA_CHECK=$(cat <<'EOF'
+"""LoRA on the device: a tiny random Qwen3 and the six PEFT adapters of the LoRA tests (tests/lora_fixtures.py:
+ranks 4-64, attention, MLP, embedding and LM head, rslora, rank/alpha patterns), built here (no network),
+loaded into an fp32 engine on --device; one mixed batch (every prompt with the base and with each adapter)
+decoded greedily through captured graphs, token for token the CPU engine's (fp32, eager decode).
+--device cpu: the same check with the CPU capture emulation as the "device" (a dry run of this script)."""
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path.cwd() / "tests"))
+import torch  # noqa: E402
+
+from factories import PROMPTS, make_model  # noqa: E402
+from lora_fixtures import build_adapters  # noqa: E402
+from workers import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+args = parser.parse_args()
+torch.set_float32_matmul_precision("highest")   # fp32 GEMMs, no TF32: the CPU engine's maths
+
+with tempfile.TemporaryDirectory(prefix="gpu-check-lora-") as tmp:
+    started = time.perf_counter()
+    model = make_model(Path(tmp) / "model", "qwen3")
+    adapters = build_adapters(model, Path(tmp) / "adapters")
+    names = [None, *adapters]
+    prompts = [p for p in PROMPTS[:4] for _ in names]
+    wanted = [n for _ in PROMPTS[:4] for n in names]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    common = dict(model=str(model), dtype="float32", max_lora_rank=64, max_loras_per_batch=len(adapters),
+                  max_loaded_loras=len(adapters), max_num_seqs=32, max_model_len=256)
+
+    def engine(**kw):
+        e = LLMEngine(EngineConfig(**common, **kw))
+        for name, path in adapters.items():
+            e.load_adapter(name, str(path))
+        return e
+
+    device = engine(device=args.device, **({"emulate_capture": True} if args.device == "cpu" else {}))
+    got = device.generate(prompts, params, adapters=wanted)
+    runner = device.executor.runner
+    graphs = sorted(runner.graph_runner.graphs)
+    want = engine(device="cpu", enforce_eager=True).generate(prompts, params, adapters=wanted)
+    print(f"{args.device}: {torch.cuda.get_device_name(0) if args.device == 'cuda' else 'CPU (capture emulated)'}; "
+          f"{len(prompts)} requests ({len(adapters)} adapters and the base, mixed), 16 tokens each, fp32; "
+          f"{time.perf_counter() - started:.1f} s")
+    print(f"  captured (batch, width) graphs: {graphs}; LoRA backend: {runner.lora_backend.stats()}")
+    mismatched = [i for i, (a, b) in enumerate(zip(got, want)) if a.token_ids != b.token_ids]
+    drift = max(abs(x - y) for a, b in zip(got, want) for x, y in zip(a.logprobs, b.logprobs))
+    print(f"  token-identical to the CPU engine: {len(prompts) - len(mismatched)}/{len(prompts)}; "
+          f"max |logprob difference| {drift:.2e}")
+    for i in mismatched:
+        print(f"  MISMATCH request {i} (adapter {wanted[i]}): {got[i].token_ids} != {want[i].token_ids}")
+    distinct = {p: len({tuple(o.token_ids) for o, q in zip(want, prompts) if q == p}) for p in PROMPTS[:4]}
+    print(f"  distinct outputs per prompt over base + adapters: {list(distinct.values())}")
+    assert graphs, "no graph was captured: decode ran eagerly"
+    assert min(distinct.values()) > 1, "the adapters do not change the output: LoRA was not applied"
+    assert not mismatched, f"{len(mismatched)} requests differ from the CPU engine"
+    print("ok")
+EOF
+)
+
 mkdir -p "$LOG"
 cd "$ROOT" || exit 1
+if [[ "${1:-}" == "--dry-run" ]]; then
+    PY="${PYTHON:-$ROOT/.venv/bin/python}"
+    export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false HF_HUB_DISABLE_PROGRESS_BARS=1 TRANSFORMERS_VERBOSITY=error
+    step lora_device 300 "$PY" -c "$LORA_CHECK" --device cpu
+    finish
+elif [[ -n "${1:-}" ]]; then
+    say "unknown argument $1 (the only one is --dry-run)"
+    exit 2
+fi
 if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
     say "no NVIDIA GPU visible (nvidia-smi -L failed): this check needs one"
     exit 2
@@ -95,6 +177,7 @@ fi
 "$PY" -c "import torch; print('    torch', torch.__version__, 'CUDA', torch.version.cuda, torch.cuda.get_device_name(0))"
 
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false LORASERVE_BENCH_CACHE="$SCRATCH/bench"
+export HF_HUB_DISABLE_PROGRESS_BARS=1 TRANSFORMERS_VERBOSITY=error
 export TORCHINDUCTOR_CACHE_DIR="$ROOT/.cache/inductor" RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_AUTH_MODE=disabled
 
 # The CUDA tests: graph capture replays the engine exactly, and the LoRA ops inside a captured graph.
@@ -103,6 +186,8 @@ if grep -q "skipped" "$LOG/cuda_tests.log"; then   # torch saw no GPU: the step'
     SUMMARY[${#SUMMARY[@]} - 1]="$(printf '%-28s %s' cuda_tests "FAILED: the CUDA tests were skipped")"
     FAILED=1
 fi
+# LoRA on the device: adapters loaded, a mixed-adapter batch through captured graphs = the CPU engine's tokens.
+step lora_device 180 "$PY" -c "$LORA_CHECK" --device cuda
 # The graph-safe LoRA ops (FakeTensor, torch.compile); those of the CPU kernel need a C compiler.
 GRAPH_TESTS="graph or fake or compile"
 command -v cc >/dev/null 2>&1 || command -v gcc >/dev/null 2>&1 || GRAPH_TESTS="(graph or fake or compile) and torch_masked"
