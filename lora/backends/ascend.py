@@ -179,8 +179,13 @@ def _known_answer(ops, device: torch.device, dtype: torch.dtype, by_token: bool,
     for t, slot in enumerate(slots):
         if slot >= 0:
             expected[t] += b[slot] @ (a[slot] @ x[t])
-    index = ((to_device(slots, device, torch.int64),) if by_token else
-             (to_device(slots, device, torch.int64), to_device([1] * T, device, torch.int64)))
+
+    def indices(values: list[int]) -> torch.Tensor:
+        # in the contract's dtype, zero-padded to twice its length: a kernel reading them at the other width
+        # (int64 as int32 or back) still finds indices in range or negative, never a read past the weights
+        return to_device([*values, *[0] * len(values)], device, contract.index_dtype)[:len(values)]
+
+    index = (indices(slots),) if by_token else (indices(slots), indices([1] * T))
     try:   # a kernel's host check raises at the call, its device-side error at the synchronisation
         y = y0.to(device, dtype)
         _run(y, x.to(device, dtype), a.to(device, dtype), (b.to(device, dtype),), (0, out), index, by_token, ops,
