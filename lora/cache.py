@@ -103,6 +103,14 @@ class HostAdapterCache:
         with self._lock:
             return self._load_ids.get(name, 0)
 
+    def source(self, name: str) -> str:
+        """Where `name` was read from, registered or still referenced after unregistering."""
+        with self._lock:
+            source = self._sources.get(name, self._orphans.get(name))
+        if source is None:
+            raise AdapterNotFoundError(f"adapter {name!r}: not registered")
+        return source
+
     def registered(self) -> dict[str, str]:
         with self._lock:
             return dict(self._sources)

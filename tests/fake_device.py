@@ -19,6 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
+import workers.worker
+
 DEVICE_TYPE = "npu"
 aten = torch.ops.aten
 # The explicit transfers: the only ops that may take tensors of both kinds.
@@ -119,7 +121,19 @@ class DeviceTensor(torch.Tensor):
 
 
 class FakeDevice(TorchDispatchMode):
-    """Allocations asking for DEVICE become DeviceTensors; so do host->device transfers."""
+    """Allocations asking for DEVICE become DeviceTensors; so do host->device transfers. A worker created
+    inside asks to pin host memory (it holds its device); this host has no pinned allocator, so the ask is
+    recorded in `pin_requests` and copies stay pageable."""
+
+    def __enter__(self):
+        self.pin_requests: list[bool] = []
+        self._allow_pinning = workers.worker.allow_pinning
+        workers.worker.allow_pinning = self.pin_requests.append
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        workers.worker.allow_pinning = self._allow_pinning
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})

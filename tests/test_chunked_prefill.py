@@ -148,8 +148,10 @@ def test_unchunked_engine_still_prefills_whole_prompts(setup):
         make_engine(path, {}, enable_chunked_prefill=False, max_num_batched_tokens=128)
 
 
-@pytest.mark.parametrize("how", ["reloaded", "paged_in_again"])
+@pytest.mark.parametrize("how", ["reloaded", "loaded_again", "paged_in_again"])
 def test_an_adapter_read_again_from_new_files_never_hits_its_old_kv(setup, tmp_path, how):
+    """A new version (unload + load, or load again over changed files) is new KV; a version paged back in
+    after eviction must be the one that was checked: changed files then fail its requests, clearly."""
     path, adapters, _, _ = setup
     source = tmp_path / "x"
     shutil.copytree(adapters["r4_all"], source)
@@ -157,13 +159,19 @@ def test_an_adapter_read_again_from_new_files_never_hits_its_old_kv(setup, tmp_p
                          max_loras_per_batch=1, max_loaded_loras=1)
     prompt = LONG[0]
     run(engine, [(prompt, "x")])
+    assert engine.load_adapter("x", str(source)) == "unchanged"
     make_adapter(path, source, seed=99, **ADAPTERS["r4_all"])        # retrained, saved over the old files
     if how == "reloaded":
         engine.unload_adapter("x")
-        engine.load_adapter("x", str(source))
+        assert engine.load_adapter("x", str(source)) == "loaded"
+    elif how == "loaded_again":
+        assert engine.load_adapter("x", str(source)) == "replaced"
     else:                                                             # evicted from host memory, read again
         run(engine, [(PROMPTS[0], "other")])
-        assert not engine.adapters.cache.is_resident("x")
+        assert not engine.adapters.cache.is_resident(engine.adapters.current_key("x"))
+        [out] = run(engine, [(prompt, "x")])
+        assert out.finish_reason == "error" and "its files changed since it was loaded" in out.error
+        return
     [out] = run(engine, [(prompt, "x")])
     assert out.num_cached_tokens == 0
     tokens, logprobs = PeftOracle(path, {"x": source}).greedy(prompt, "x", MAX_TOKENS)

@@ -121,9 +121,10 @@ def test_decode_steps_on_the_device_equal_the_cpu_engine(model, adapters, graph_
     token for token the CPU engine's (both on the torch ops: the same maths)."""
     sampling = GREEDY if params == "greedy" else SAMPLED
     platform = dataclasses.replace(PLATFORMS["npu"], supports_graphs=False)
-    with FakeDevice():
+    with FakeDevice() as tier:
         engine = _device_engine(model, adapters, platform, lora_backend="torch_native",
                                 graph_safe_decode=graph_safe, max_loras_per_batch=2)
+        assert tier.pin_requests[-1] is True           # the device worker holds its device: it may pin
         runner = engine.executor.runner
         assert on_device(runner.kv_cache.k) and on_device(runner.sampler_state.output_counts)
         assert on_device(runner.graph_runner.block_tables) and runner.lora_backend.name == "torch_native"

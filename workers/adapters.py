@@ -2,15 +2,42 @@
 
 Lives with the controller. Loads happen on a background thread (the host
 cache's executor), so the step loop never waits on disk or the Hub.
+
+Versions (as vLLM's adapter ids: a new version is a new id): every load of a name is one version,
+identified by the content of its weights. The host cache and the slots hold versions, keyed
+`name@N`; a request resolves its name to the current version when it is admitted and keeps that
+version to its end. Loading a name again with other weights (changed files, another source)
+makes a new version that new requests get, beside the old one, which is freed when its last
+request ends; loading the same weights again is a no-op.
 """
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
+import itertools
+
+import torch
 
 from lora.adapter import LoRAAdapter, LoRAModelSpec, check_adapter_name, load_adapter
 from lora.cache import HostAdapterCache
 from lora.errors import AdapterError, AdapterNotFoundError
 from lora.slots import SlotTable
+
+
+def content_version(adapter: LoRAAdapter) -> str:
+    """A digest of what the adapter adds to the model: its weights and scalings, module by module."""
+    digest = hashlib.sha256()
+    for (layer, module), weights in sorted(adapter.weights.items()):
+        digest.update(f"{layer}.{module}:{weights.scaling!r}".encode())
+        for t in (weights.lora_a, weights.lora_b):
+            digest.update(str((t.dtype, tuple(t.shape))).encode())
+            digest.update(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def display_name(key: str) -> str:
+    """The adapter name of a version key (names have no '@')."""
+    return key.split("@", 1)[0]
 
 
 class AdapterManager:
@@ -24,11 +51,21 @@ class AdapterManager:
         self.pin_memory = pin_memory    # page-locked host copies make slot loads async DMA on accelerators
         self.cache = HostAdapterCache(max_loaded_loras, self._load, load_timeout_s=load_timeout_s)
         self.slots = SlotTable(max_loras_per_batch)
-        self.pinned: set[str] = set()
+        self.pinned: set[str] = set()             # version keys that keep their slot
+        self._current: dict[str, str] = {}         # name -> key of the version new requests get
+        self._versions: dict[str, str] = {}        # key -> content version of its weights
+        self._generation = itertools.count(1)
 
-    def _load(self, name: str, source: str) -> LoRAAdapter:
+    def _load(self, key: str, source: str) -> LoRAAdapter:
+        """Read and validate (the load threads). A version paged back in after eviction must be the
+        version that was checked: files changed since then are refused, never served in its place."""
+        name = display_name(key)
         adapter = load_adapter(name, source, self.spec, max_lora_rank=self.max_lora_rank,
                                adapter_roots=self.adapter_roots or None, allow_hub=self.allow_hub)
+        expected, got = self._versions.get(key), content_version(adapter)
+        if expected is not None and got != expected:
+            raise AdapterError(f"adapter {name!r}: its files changed since it was loaded (version {expected}, the "
+                               f"files now hold {got}); load it again to serve the new weights")
         if self.pin_memory:
             for weights in adapter.weights.values():
                 weights.lora_a, weights.lora_b = weights.lora_a.pin_memory(), weights.lora_b.pin_memory()
@@ -41,54 +78,75 @@ class AdapterManager:
         return self.cache.read(name, source)
 
     def load(self, name: str, source: str, pinned: bool = False,
-             preloaded: tuple[LoRAAdapter, float] | None = None) -> LoRAAdapter:
-        """Register and load now (or insert `preloaded`), so a bad adapter is refused at once with its reason.
-
-        A new source for a known name replaces it (refused while running requests use the old
-        weights); if the new source is invalid the old one stays registered.
-        """
+             preloaded: tuple[LoRAAdapter, float] | None = None) -> str:
+        """Read (or take `preloaded`) and register a version of `name`, so a bad adapter is refused at once with
+        its reason and the current version stays. Returns "loaded", "replaced" (a new version: new requests get
+        it, running ones finish on theirs) or "unchanged" (the same source and weights: nothing to do)."""
         check_adapter_name(name)
-        if pinned and name not in self.pinned and len(self.pinned) + 1 >= self.max_loras_per_batch:
+        current = self._current.get(name)
+        pinned_keys = self.pinned - {current}
+        if pinned and current not in self.pinned and len(pinned_keys) + 1 >= self.max_loras_per_batch:
             raise AdapterError(f"adapter {name!r}: pinning it would leave no free slot "
                                f"(max_loras_per_batch={self.max_loras_per_batch})")
-        previous = self.cache.registered().get(name)
-        self.cache.register(name, source, pinned=pinned)
-        if previous not in (None, source):
-            self.slots.remove(name)          # the slot holds the replaced weights
+        adapter = preloaded[0] if preloaded is not None else self._load(name, source)
+        version = content_version(adapter)
+        if current is not None and self._versions[current] == version and self.cache.registered()[current] == source:
+            self.cache.register(current, source, pinned=pinned)
+            self._pin(current, pinned)
+            return "unchanged"
+        key = f"{name}@{next(self._generation)}"
+        self._versions[key] = version
+        self.cache.register(key, source, pinned=pinned)
         try:
-            adapter = self.cache.load_now(name, preloaded)
+            self.cache.load_now(key, preloaded or (adapter, 0.0))
         except Exception:
-            if previous not in (None, source):
-                self.cache.register(name, previous, pinned=name in self.pinned)
-            else:
-                self.cache.unregister(name)
+            self.cache.unregister(key)
+            del self._versions[key]
             raise
-        if pinned:
-            self.pinned.add(name)
-        else:
-            self.pinned.discard(name)
-        return adapter
+        self._current[name] = key
+        self._pin(key, pinned)
+        if current is not None:
+            self._retire(current)
+        return "loaded" if current is None else "replaced"
+
+    def _pin(self, key: str, pinned: bool) -> None:
+        (self.pinned.add if pinned else self.pinned.discard)(key)
+
+    def _retire(self, key: str) -> None:
+        """No new request gets this version; its running requests keep it until they end."""
+        self.cache.unregister(key)
+        self.pinned.discard(key)
+        self._forget_if_unused(key)
 
     def unload(self, name: str) -> None:
         """New requests are refused at once; running ones keep their weights until they finish."""
-        if not self.cache.is_registered(name):
+        if name not in self._current:
             raise AdapterNotFoundError(f"adapter {name!r} is not loaded")
-        self.cache.unregister(name)
-        self.pinned.discard(name)
-        self._forget_if_unused(name)
+        self._retire(self._current.pop(name))
 
     def list(self) -> dict[str, str]:
-        return self.cache.registered()
+        registered = self.cache.registered()
+        return {name: registered[key] for name, key in self._current.items()}
 
     def check_known(self, name: str) -> None:
-        if not self.cache.is_registered(name):
+        if name not in self._current:
             raise AdapterNotFoundError(f"adapter {name!r} is not loaded (known: {sorted(self.list())})")
 
-    # ---- controller operations -------------------------------------------
-    def ensure(self, name: str) -> bool:
-        """True when resident in host memory; otherwise a background load is started."""
+    def current_key(self, name: str) -> str | None:
+        """The version a request for `name` admitted now runs on (None: not loaded)."""
+        return self._current.get(name)
+
+    def version(self, name: str) -> str:
         self.check_known(name)
-        return self.cache.ensure(name)
+        return self._versions[self._current[name]]
+
+    # ---- controller operations -------------------------------------------
+    # (by version key: what a request holds once admitted)
+    def ensure(self, key: str) -> bool:
+        """True when resident in host memory; otherwise a background load is started."""
+        if not self.cache.is_registered(key) and not self.cache.is_resident(key):
+            raise AdapterNotFoundError(f"adapter {display_name(key)!r} is not loaded (known: {sorted(self.list())})")
+        return self.cache.ensure(key)
 
     def acquire(self, name: str) -> None:
         self.cache.acquire(name)
@@ -97,11 +155,10 @@ class AdapterManager:
         self.cache.release(name)
         self._forget_if_unused(name)
 
-    def assign_slots(self, names: set[str]) -> list[tuple[int, str, str, int]]:
-        """Give every adapter of the batch a slot; returns the loads (slot, name, source, load id)."""
-        loads = self.slots.assign(sorted(names), pinned=self.pinned)
-        registered = self.cache.registered()
-        return [(slot, name, registered[name], self.cache.load_id(name)) for slot, name in loads]
+    def assign_slots(self, keys: set[str]) -> list[tuple[int, str, str, int]]:
+        """Give every adapter version of the batch a slot; returns the loads (slot, key, source, load id)."""
+        loads = self.slots.assign(sorted(keys), pinned=self.pinned)
+        return [(slot, key, self.cache.source(key), self.cache.load_id(key)) for slot, key in loads]
 
     def load_id(self, name: str) -> int:
         """Which read of the adapter's files is resident: part of its KV's prefix-cache identity."""
@@ -114,9 +171,10 @@ class AdapterManager:
     def slot_of(self, name: str | None) -> int:
         return -1 if name is None else self.slots.slot_of(name)
 
-    def _forget_if_unused(self, name: str) -> None:
-        if not self.cache.is_registered(name) and not self.cache.is_resident(name):
-            self.slots.remove(name)
+    def _forget_if_unused(self, key: str) -> None:
+        if not self.cache.is_registered(key) and not self.cache.is_resident(key):
+            self.slots.remove(key)
+            self._versions.pop(key, None)
 
     def stats(self) -> dict:
         return {"host_cache": self.cache.stats(), "slots": self.slots.stats()}

@@ -113,7 +113,7 @@ class AsyncLLMEngine:
     async def abort(self, request_id: str) -> None:
         await self._call(self._abort, request_id)
 
-    async def load_adapter(self, name: str, source: str, pinned: bool = False) -> None:
+    async def load_adapter(self, name: str, source: str, pinned: bool = False) -> str:
         """Read the files on the adapter load threads (bounded by adapter_load_timeout_s), then register the
         adapter on the step thread: requests for other adapters keep generating meanwhile."""
         manager = self.engine.adapters
@@ -125,7 +125,7 @@ class AsyncLLMEngine:
         except TimeoutError:
             raise AdapterLoadTimeoutError(f"adapter {name!r}: reading it took longer than {timeout:g}s "
                                           f"(adapter_load_timeout_s)") from None
-        await self._call(self.engine.load_adapter, name, source, pinned, preloaded)
+        return await self._call(self.engine.load_adapter, name, source, pinned, preloaded)
 
     async def unload_adapter(self, name: str) -> None:
         await self._call(self.engine.unload_adapter, name)

@@ -96,12 +96,13 @@ class Controller:
 
     def _admit(self, budget: int) -> list[tuple[Sequence, int]]:
         admitted: list[tuple[Sequence, int]] = []
-        active = {s.adapter for s in self.running if s.adapter}
+        active = {s.adapter_key for s in self.running if s.adapter}
         limit = self.config.max_loras_per_batch
         for seq in self._admission_order(active):
             if budget <= 0 or len(self.running) + len(admitted) >= self.config.max_num_seqs:
                 break
-            if seq.adapter and seq.adapter not in active and len(active) >= limit:
+            lora = self._lora_id(seq)
+            if lora and lora not in active and len(active) >= limit:
                 if seq.lora_skips > self.config.lora_max_wait_steps:
                     break                        # drain the running adapters for this one
                 continue
@@ -111,13 +112,14 @@ class Controller:
             if started == 0:
                 continue                         # its adapter is loading (or failed)
             if seq.adapter:
-                active.add(seq.adapter)
+                active.add(seq.adapter_key)
             admitted.append((seq, started))
             budget -= started
             self._cache_full_blocks(seq, seq.num_computed_tokens + started)
         if len(active) >= limit:
             for seq in self.waiting:
-                if seq.adapter and seq.adapter not in active:
+                lora = self._lora_id(seq)
+                if lora and lora not in active:
                     seq.lora_skips += 1
         return admitted
 
@@ -129,10 +131,11 @@ class Controller:
             return
         later: dict[str, list[Sequence]] = {}
         for seq in waiting:
-            if seq.adapter is None or seq.adapter in active:
+            lora = self._lora_id(seq)
+            if lora is None or lora in active:
                 yield seq
             else:
-                later.setdefault(seq.adapter, []).append(seq)
+                later.setdefault(lora, []).append(seq)
         counts = Counter({name: len(seqs) for name, seqs in later.items()})
         for name, _ in counts.most_common():     # ties keep arrival order (Counter preserves insertion)
             yield from later[name]
@@ -140,9 +143,10 @@ class Controller:
     def _start(self, seq: Sequence, budget: int) -> int | None:
         """Admit `seq`: adapter reference, cached prefix, blocks. Returns its first chunk's size, 0 when its
         adapter is not ready, None when it does not fit now."""
-        if seq.adapter and not self._acquire_adapter(seq):
+        held = seq.adapter_key is not None   # preempted: it keeps the version it started on
+        if seq.adapter and not held and not self._acquire_adapter(seq):
             return 0
-        key = "" if seq.adapter is None else f"{seq.adapter}\0{self.adapters.load_id(seq.adapter)}"
+        key = "" if seq.adapter is None else f"{seq.adapter_key}\0{self.adapters.load_id(seq.adapter_key)}"
         if seq.hash_key != key:
             seq.block_hashes, seq.hash_key, seq.num_registered_blocks = [], key, 0
         extend_hashes(seq.block_hashes, hash_root(key), seq.token_ids, self.block_size, len(seq))
@@ -154,8 +158,8 @@ class Controller:
         need = blocks_needed(len(seq), self.block_size) - len(hit)
         if (need > self.blocks.num_free_after_taking(hit)
                 or (not self.chunked_prefill and len(seq) - cached > budget)):
-            if seq.adapter:
-                self.adapters.release(seq.adapter)
+            if seq.adapter and not held:
+                self._release_adapter(seq)   # not started: the next try takes the version current then
             return None
         self.blocks.take(hit)
         seq.block_table = hit + self.blocks.allocate(need)
@@ -170,22 +174,39 @@ class Controller:
         self.waiting.remove(seq)
         return min(len(seq) - cached, budget)
 
+    def _lora_id(self, seq: Sequence) -> str | None:
+        """The adapter version `seq` runs on (or would, admitted now): what takes a slot."""
+        if seq.adapter is None:
+            return None
+        return seq.adapter_key or self.adapters.current_key(seq.adapter) or seq.adapter
+
     def _acquire_adapter(self, seq: Sequence) -> bool:
-        """Hold a reference to the request's adapter if it is in host memory (else a load starts)."""
+        """Hold a reference to the current version of the request's adapter if it is in host memory (else a
+        load starts); the request keeps that version to its end."""
+        key = self.adapters.current_key(seq.adapter)
         try:
-            if not self.adapters.ensure(seq.adapter):
+            if key is None:
+                self.adapters.check_known(seq.adapter)   # unloaded while it waited: AdapterNotFoundError
+            if not self.adapters.ensure(key):
                 return False
         except AdapterError as exc:
             self._fail_waiting(seq, exc)
             return False
         try:
-            self.adapters.acquire(seq.adapter)
+            self.adapters.acquire(key)
         except AdapterError:   # evicted by a load that finished in between: retry next step
             return False
+        seq.adapter_key = key
         return True
+
+    def _release_adapter(self, seq: Sequence) -> None:
+        if seq.adapter_key is not None:
+            self.adapters.release(seq.adapter_key)
+            seq.adapter_key = None
 
     def _fail_waiting(self, seq: Sequence, exc: Exception) -> None:
         self.waiting.remove(seq)
+        self._release_adapter(seq)
         seq.error = str(exc)
         seq.finish_reason = "error"
         seq.status = Status.FINISHED
@@ -201,11 +222,11 @@ class Controller:
     def _plan(self, scheduled: list[tuple[Sequence, int]]) -> tuple[StepPlan, list[tuple[Sequence, int]]]:
         loads = []
         if self.adapters is not None:
-            names = {s.adapter for s in self.running if s.adapter}   # slots of chunks in progress stay too
+            names = {s.adapter_key for s in self.running if s.adapter}   # slots of chunks in progress stay too
             loads = self.adapters.assign_slots(names) if names else []
         slot_of = self.adapters.slot_of if self.adapters is not None else (lambda _: -1)
         # Decodes first, then chunks; within each, by slot: one LoRA segment per adapter.
-        scheduled.sort(key=lambda item: (item[1] > 1 or item[0].num_uncomputed > 1, slot_of(item[0].adapter)))
+        scheduled.sort(key=lambda item: (item[1] > 1 or item[0].num_uncomputed > 1, slot_of(item[0].adapter_key)))
         plan = StepPlan(input_ids=[], positions=[], query_lens=[], seq_lens=[], block_tables=[], lora_slots=[],
                         lora_loads=loads, sampler_inits=[self._sampler_init(s) for s in self._new_sampler_slots])
         for seq, n in scheduled:
@@ -215,7 +236,7 @@ class Controller:
             plan.query_lens.append(n)
             plan.seq_lens.append(start + n)
             plan.block_tables.append(list(seq.block_table))
-            plan.lora_slots.append(slot_of(seq.adapter))
+            plan.lora_slots.append(slot_of(seq.adapter_key))
             targets = None
             if p.prompt_logprobs is not None:   # each new prompt position scores the prompt token after it
                 targets = seq.prompt_token_ids[start + 1:min(start + n + 1, seq.num_prompt_tokens)]
@@ -280,13 +301,13 @@ class Controller:
                 self.finish(seq, "length")
         return produced
 
-    def fail_adapter(self, name: str, error: str) -> None:
-        """An adapter a rank could not install: its requests end with `error`, its slot is given up (the next
-        request for it loads it again), every other request carries on."""
-        for seq in [s for s in (*self.running, *self.waiting) if s.adapter == name]:
+    def fail_adapter(self, key: str, error: str) -> None:
+        """An adapter version a rank could not install: its requests end with `error`, its slot is given up
+        (the next request for it loads it again), every other request carries on."""
+        for seq in [s for s in (*self.running, *self.waiting) if self._lora_id(s) == key]:
             self.finish(seq, "error", error=error)
             self.errored.append(seq)
-        self.adapters.forget_slot(name)
+        self.adapters.forget_slot(key)
 
     def _cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Offer the blocks this step fills to the prefix cache, before the step runs: every layer writes
@@ -308,6 +329,7 @@ class Controller:
             self._release(seq)
         else:
             self.waiting.remove(seq)
+        self._release_adapter(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
         seq.error = error
@@ -317,6 +339,4 @@ class Controller:
         seq.block_table = []
         seq.num_computed_tokens = 0
         self.free_sampler_slots.append(seq.sampler_slot)
-        seq.sampler_slot = -1
-        if seq.adapter:
-            self.adapters.release(seq.adapter)
+        seq.sampler_slot = -1   # (its adapter version is held until it finishes, preempted or not)

@@ -250,9 +250,10 @@ class LLMEngine:
         return self.adapters
 
     def load_adapter(self, name: str, source: str, pinned: bool = False,
-                     preloaded: tuple[LoRAAdapter, float] | None = None) -> None:
-        """Register `name` and read its files now (or insert what `AdapterManager.read` read already)."""
-        self._need_lora().load(name, source, pinned, preloaded)
+                     preloaded: tuple[LoRAAdapter, float] | None = None) -> str:
+        """Register a version of `name`, its files read now (or what `AdapterManager.read` read already):
+        "loaded", "replaced" (new requests get the new version, running ones keep theirs) or "unchanged"."""
+        return self._need_lora().load(name, source, pinned, preloaded)
 
     def unload_adapter(self, name: str) -> None:
         self._need_lora().unload(name)

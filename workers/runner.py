@@ -17,6 +17,7 @@ from lora.layers import wrap_model
 from lora.modules import MODULE_GROUPS, PACKED_MODULES
 from lora.slots import GroupShape, SlotPool
 from lora.transfer import to_device
+from workers.adapters import display_name
 from workers.config import MAX_LOGIT_BIAS, EngineConfig
 from workers.device import Platform
 from workers.forward_batch import ForwardBatch, PrefillChunk
@@ -163,7 +164,7 @@ class ModelRunner:
                 self.slot_pool.load(slot, self.get_adapter(name, source, load_id))
             except Exception as exc:  # noqa: BLE001  (reported per adapter, the engine carries on)
                 self.slot_pool.clear(slot)
-                failed[name] = f"adapter {name!r} could not be installed on rank {self.tp.rank}: {exc}"
+                failed[name] = f"adapter {display_name(name)!r} could not be installed on rank {self.tp.rank}: {exc}"
         return failed
 
     def _decode(self, plan: StepPlan) -> torch.Tensor:
