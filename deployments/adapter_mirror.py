@@ -68,14 +68,15 @@ class AdapterMirror:
             self.loaded[name] = source
             return time.perf_counter() - start
 
-    async def load(self, name: str, source: str) -> float:
-        """Hot-load: validate by loading here, publish, and wait until every replica has applied it."""
+    async def load(self, name: str, source: str) -> tuple[float, str]:
+        """Hot-load: validate by loading here, publish, and wait until every replica has applied it.
+        Returns (seconds, "loaded" | "replaced" | "unchanged": workers/adapters.py's versions)."""
         if not name or ":" in name:
             raise AdapterError(f"adapter name {name!r} must be non-empty and contain no ':'")
         async with self._lock:
             start = time.perf_counter()
             try:
-                await self.engine.load_adapter(name, source)   # raises with the reason for a bad adapter
+                status = await self.engine.load_adapter(name, source)   # raises with the reason for a bad one
             except AdapterNotFoundError as exc:
                 # here a missing source is a bad request (400), not an unknown model name (404)
                 raise AdapterError(str(exc)) from exc
@@ -83,7 +84,7 @@ class AdapterMirror:
             seconds = time.perf_counter() - start
         # not published (the registry is down): the next sync unloads it here again, as it is not registered
         await self._publish(lambda registry: registry.register.remote(name, source))
-        return seconds
+        return seconds, status
 
     async def unload(self, name: str) -> None:
         await self._publish(lambda registry: registry.unregister.remote(name), name)

@@ -269,13 +269,13 @@ class LLMServer:
             raise AdapterError(f"adapter {name!r} is already loaded from another source; send \"replace\": true "
                                "to replace it")
         try:
-            seconds = await self.adapters.load(name, source)
+            seconds, status = await self.adapters.load(name, source)
         except AdapterError:
             self.metrics.record_adapter_load(None, ok=False)
             raise
         self.metrics.record_adapter_load(seconds, ok=True)
         await self._warm_adapter(name)
-        return {"lora_name": name, "lora_path": source, "load_seconds": seconds}
+        return {"lora_name": name, "lora_path": source, "load_seconds": seconds, "status": status}
 
     async def unload_adapter(self, name: str) -> dict[str, Any]:
         """Unknown name: AdapterNotFoundError. Running requests finish with the weights they started with."""
