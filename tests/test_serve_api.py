@@ -26,7 +26,8 @@ def files(model_dir, tmp_path_factory):
     return {"model": model,
             "a": make_adapter(model, root / "a", r=8, seed=1),
             "hot": make_adapter(model, root / "hot", r=4, seed=2, target_modules=("q_proj", "o_proj", "up_proj")),
-            "too_big": make_adapter(model, root / "too_big", r=16, seed=3)}
+            "too_big": make_adapter(model, root / "too_big", r=16, seed=3),
+            "v1": make_adapter(model, root / "v1", r=8, seed=4), "v2": make_adapter(model, root / "v2", r=8, seed=5)}
 
 
 @pytest.fixture(scope="module")
@@ -147,6 +148,43 @@ def test_hot_load_is_served_by_every_replica_and_unload_reaches_all(url, files):
     assert after[0].json()["error"]["code"] == "model_not_found"
     assert "hot" not in [m["id"] for m in requests.get(f"{url}/v1/models", timeout=30).json()["data"]]
     assert complete(url, f"{BASE}:a").status_code == 200
+
+
+def test_replace_under_streaming_clients_keeps_each_stream_on_its_version(url, files):
+    """8 streams on version 1; a replace (200 "replaced") while they run: each of them finishes on version 1,
+    every request started after the replace returned runs on version 2 (references: the engine)."""
+    n, extra = 40, {"ignore_eos": True, "return_tokens_as_token_ids": True}
+    reference = {}
+    for version in ("v1", "v2"):
+        engine = LLMEngine(EngineConfig(model=str(files["model"]), device="cpu", max_model_len=MAX_MODEL_LEN,
+                                        max_lora_rank=MAX_RANK))
+        engine.load_adapter("ver", str(files[version]))
+        reference[version] = [o.token_ids for o in engine.generate(
+            PROMPTS, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), adapters=["ver"] * 8)]
+    load = lambda version, **kw: requests.post(f"{url}/v1/load_lora_adapter", timeout=120, json={  # noqa: E731
+        "lora_name": "ver", "lora_path": str(files[version]), **kw})
+    assert load("v1").json()["status"] == "loaded"
+    started = [concurrent.futures.Future() for _ in PROMPTS]
+
+    def stream(i: int) -> list[int]:
+        tokens = []
+        for chunk in client(url).completions.create(model=f"{BASE}:ver", prompt=PROMPTS[i], max_tokens=n,
+                                                    temperature=0, logprobs=1, stream=True, extra_body=extra):
+            tokens += ids(chunk.choices[0].logprobs.tokens)
+            if tokens and not started[i].done():
+                started[i].set_result(True)
+        return tokens
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        old = [pool.submit(stream, i) for i in range(8)]
+        concurrent.futures.wait(started, timeout=120)
+        replaced = load("v2", replace=True)
+        assert replaced.status_code == 200 and replaced.json()["status"] == "replaced", replaced.text
+        new = [pool.submit(stream, i) for i in range(8)]
+        assert [f.result(timeout=300) for f in old] == reference["v1"]
+        assert [f.result(timeout=300) for f in new] == reference["v2"]
+    assert load("v2").json()["status"] == "unchanged"
+    assert requests.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "ver"}, timeout=120).status_code == 200
 
 
 BAD_REQUESTS = [  # (what, path, json body or raw text, status, a word of the message)
