@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from factories import PROMPTS, make_adapter
 from lora_fixtures import ALL7
 from workers import EngineConfig, LLMEngine, SamplingParams
+from workers.adapters import display_name
 from workers.ray_utils import init_local_ray
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -73,7 +74,7 @@ def _poison(executor, name: str):
 
     def poisoned(adapter_name, source, load_id):
         adapter = get(adapter_name, source, load_id)
-        if adapter_name != name:
+        if display_name(adapter_name) != name:   # the version key: "A@1"
             return adapter
         weights = {key: dataclasses.replace(w, lora_b=w.lora_b[:-1]) for key, w in adapter.weights.items()}
         return dataclasses.replace(adapter, weights=weights)
@@ -108,7 +109,7 @@ def test_files_changed_after_a_load_change_nothing_tp1(model, tmp_path, how):
 def test_a_rank_that_cannot_install_an_adapter_fails_only_its_requests_tp1(model, tmp_path):
     engine = _engine(model, _adapters(model, tmp_path))
     reference = _run(engine)
-    engine.adapters.forget_slot("A")      # A is installed again, from the poisoned copy
+    engine.adapters.forget_slot(engine.adapters.current_key("A"))      # A is installed again, from the poisoned copy
     original = _poison(engine.executor, "A")
     _check_isolated(engine, reference)
     engine.executor.runner.get_adapter = original
@@ -122,9 +123,9 @@ def test_tp2_ranks_never_read_adapter_files_and_isolate_a_bad_install(model, tmp
     assert _run(engine) == reference
     for how in ("truncated", "deleted"):   # the files are gone: the ranks install what the engine checked
         _spoil(adapters["A"], how, adapters["other"])
-        engine.adapters.forget_slot("A")
+        engine.adapters.forget_slot(engine.adapters.current_key("A"))
         assert _run(engine) == reference, how
-    engine.adapters.forget_slot("A")
+    engine.adapters.forget_slot(engine.adapters.current_key("A"))
     original = _poison(engine.executor, "A")
     _check_isolated(engine, reference)
     engine.executor.get_adapter = original
