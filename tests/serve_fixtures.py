@@ -14,6 +14,20 @@ T = TypeVar("T")
 
 
 @contextmanager
+def local_ray(num_cpus: int = 4, prefix: str = "lsr") -> Iterator[str]:
+    """Ray alone (loopback, own short temp dir: Ray's socket paths have a length limit); yields the dir."""
+    import ray
+
+    temp_dir = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+    init_local_ray(temp_dir, num_cpus=num_cpus)
+    try:
+        yield temp_dir
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@contextmanager
 def local_serve(num_cpus: int = 4, env: dict[str, str] | None = None) -> Iterator[str]:
     """Ray (loopback, own temp dir, no dashboard) + Serve HTTP on a free loopback port; yields the base URL.
 

@@ -6,18 +6,16 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
-import tempfile
 
 import pytest
-import ray
 import torch
 from safetensors.torch import load_file, save_file
 
 from factories import PROMPTS, make_adapter
 from lora_fixtures import ALL7
+from serve_fixtures import local_ray
 from workers import EngineConfig, LLMEngine, SamplingParams
 from workers.adapters import display_name
-from workers.ray_utils import init_local_ray
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 NAMES = [None, "A", "B", "A", None, "B"]
@@ -30,11 +28,8 @@ def model(model_dir):
 
 @pytest.fixture(scope="module")
 def ray_session():
-    temp = tempfile.mkdtemp(prefix="lsiso", dir="/tmp")   # short: Ray's socket paths have a length limit
-    init_local_ray(temp, num_cpus=4)
-    yield
-    ray.shutdown()
-    shutil.rmtree(temp, ignore_errors=True)
+    with local_ray(num_cpus=4, prefix="lsiso"):
+        yield
 
 
 def _adapters(model, out):

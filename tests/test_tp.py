@@ -6,7 +6,6 @@ about half the sharded weights, TP=1 runs in one actor when asked, and a killed
 rank fails the waiting caller fast and leaves the engine unhealthy.
 """
 import shutil
-import tempfile
 import threading
 import time
 
@@ -16,11 +15,11 @@ import torch
 
 from factories import PROMPTS, make_adapter, model_config
 from lora_fixtures import PeftOracle
+from serve_fixtures import local_ray   # loopback-only Ray, even when Ray was imported first
 from lora.adapter import LoRAWeights, model_spec_from_hf_config
 from workers import EngineConfig, LLMEngine, SamplingParams
 from workers.models.llama import LlamaForCausalLM
 from workers.parallel import TPGroup
-from workers.ray_utils import init_local_ray   # loopback-only Ray, even when Ray was imported first
 from workers.runner import lora_shard
 from workers.worker_group import WorkerGroupError
 
@@ -37,11 +36,8 @@ SHARDED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "embed_tokens", "l
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_session():
-    temp = tempfile.mkdtemp(prefix="lstp", dir="/tmp")   # short: Ray's socket paths have a length limit
-    init_local_ray(temp, num_cpus=4)
-    yield
-    ray.shutdown()
-    shutil.rmtree(temp, ignore_errors=True)
+    with local_ray(num_cpus=4, prefix="lstp"):
+        yield
 
 
 def make_engine(path, adapters, **kwargs) -> LLMEngine:
