@@ -83,6 +83,9 @@ class AsyncLLMEngine:
             if not prompt:
                 raise ValueError("prompt is empty")
             prompt = await self.encoder.encode(prompt)
+        grammar = None   # compiled on the grammar thread (cached by spec); an invalid one raises here, unqueued
+        if params.structured is not None:
+            grammar = await asyncio.wrap_future(self.engine.grammars.compile(params.structured))
         state = RequestState(request_id, list(prompt), params, self.decode_tokenizer, adapter)
         stream = RequestStream(asyncio.get_running_loop())
         with self._streams_lock:
@@ -91,7 +94,7 @@ class AsyncLLMEngine:
             self._streams[request_id] = stream   # before add_request, so no output can be missed
         added = ended = False
         try:
-            await self._call(self._add, state.prompt_token_ids, params, adapter, request_id)
+            await self._call(self._add, state.prompt_token_ids, params, adapter, request_id, grammar)
             added = True
             while not state.finished:
                 stopped = False
@@ -212,8 +215,9 @@ class AsyncLLMEngine:
             except Exception as exc:  # noqa: BLE001  (the caller's error, raised in the caller)
                 future.set_exception(exc)
 
-    def _add(self, prompt: list[int], params: SamplingParams, adapter: str | None, request_id: str) -> None:
-        self.engine.add_request(prompt, params, adapter, request_id, detokenize=False)
+    def _add(self, prompt: list[int], params: SamplingParams, adapter: str | None, request_id: str,
+             grammar=None) -> None:
+        self.engine.add_request(prompt, params, adapter, request_id, detokenize=False, grammar=grammar)
         self._active.add(request_id)
 
     def _drop(self, request_id: str) -> None:

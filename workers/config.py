@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from lora.modules import SUPPORTED_MODULES as SUPPORTED_LORA_MODULES
 from lora.backends import BACKENDS as LORA_BACKENDS
+from workers.grammar import StructuredSpec
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 GREEDY_BELOW = 1e-5      # temperatures under this sample greedily (vLLM's rule): 1/T would overflow to NaN
 MAX_STOP_STRINGS = 16    # each one is searched for after every token
@@ -115,6 +116,7 @@ class SamplingParams:
     min_p: float = 0.0                          # drop tokens below min_p x the likeliest token's probability
     min_tokens: int = 0                         # no EOS, stop token or stop string before this many tokens
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (-100 .. 100)
+    structured: StructuredSpec | None = None    # the output must match this (workers/grammar.py)
 
     @property
     def uses_penalties(self) -> bool:
@@ -141,6 +143,13 @@ class SamplingParams:
         if max(map(len, self.stop), default=0) > MAX_STOP_LENGTH:
             raise ValueError(f"stop strings must be at most {MAX_STOP_LENGTH} characters")
         self._check_processors()
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredSpec):
+                raise ValueError(f"structured must be a StructuredSpec, got {type(self.structured).__name__}")
+            # a grammar ends only at EOS where it accepts: ignoring EOS or holding it back has no valid output
+            if self.ignore_eos or self.min_tokens:
+                raise ValueError(f"{'ignore_eos' if self.ignore_eos else 'min_tokens'} cannot be combined with "
+                                 f"{self.structured.field} (the constraint ends the output where it is complete)")
 
     def _check_processors(self) -> None:
         def need(ok: bool, msg: str):

@@ -21,10 +21,13 @@ from __future__ import annotations
 from collections import Counter, deque
 from typing import Iterator
 
+import torch
+
 from lora.errors import AdapterError
 from workers.adapters import AdapterManager
 from workers.block_pool import BlockPool, extend_hashes, hash_root
 from workers.config import EngineConfig
+from workers.grammar import bitmask_width
 from workers.kv_cache import blocks_needed
 from workers.plan import StepOutput, StepPlan
 from workers.sequence import Sequence, Status
@@ -32,8 +35,11 @@ from workers.sequence import Sequence, Status
 
 class Controller:
     def __init__(self, config: EngineConfig, num_kv_blocks: int, max_model_len: int,
-                 max_num_batched_tokens: int, adapters: AdapterManager | None, eos_token_ids: frozenset = frozenset()):
+                 max_num_batched_tokens: int, adapters: AdapterManager | None, eos_token_ids: frozenset = frozenset(),
+                 vocab_size: int = 0):
         self.config = config
+        # host rows the grammar matchers fill each step (one per sampled sequence at most), allocated once
+        self._bitmask = torch.full((config.max_num_seqs, bitmask_width(vocab_size)), -1, dtype=torch.int32)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.free_sampler_slots = list(range(config.max_num_seqs - 1, -1, -1))   # one per running sequence
         self.block_size = config.kv_block_size
@@ -256,6 +262,11 @@ class Controller:
                 plan.hold_stops.append(seq.num_output_tokens < p.min_tokens)
                 plan.top_logprobs.append(p.top_logprobs)
                 plan.use_bias = plan.use_bias or bool(p.logit_bias)
+                if seq.matcher is not None:
+                    seq.matcher.fill_bitmask(self._bitmask, len(plan.grammar_rows))
+                    plan.grammar_rows.append(len(plan.temperatures) - 1)
+        if plan.grammar_rows:   # a copy: the rows are refilled next step, the plan may still be in flight
+            plan.token_bitmask = self._bitmask[:len(plan.grammar_rows)].clone()
         return plan, scheduled
 
     def _sampler_init(self, seq: Sequence) -> tuple[int, list[int], list[int], list[int], dict]:
@@ -295,7 +306,9 @@ class Controller:
             row += 1
             produced.append(seq)
             p = seq.params   # (min_tokens: the sampler held the stop tokens back until it was reached)
-            if token in seq.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos):
+            if seq.matcher is not None and not seq.matcher.accept(token):   # the mask allowed it: never expected
+                self.finish(seq, "error", error=f"token {token} does not fit the {p.structured.field} grammar")
+            elif token in seq.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos):
                 self.finish(seq, "stop")
             elif seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
                 self.finish(seq, "length")

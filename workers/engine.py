@@ -19,6 +19,7 @@ from workers.adapters import AdapterManager
 from workers.config import EngineConfig, SamplingParams
 from workers.controller import Controller
 from workers.device import DEFAULT_MAX_NUM_BATCHED_TOKENS, get_platform
+from workers.grammar import GrammarCompiler, GrammarMatcher
 from workers.kv_cache import KVCache, blocks_needed
 from workers.models.loader import resolve_model_path
 from workers.output import RequestState
@@ -51,8 +52,10 @@ class LLMEngine:
                                            pin_memory=self._copies_to_its_device(),
                                            load_timeout_s=config.adapter_load_timeout_s)
         self.executor = self._make_executor()
+        eos_ids = _eos_ids(hf_config, self.tokenizer)
         self.controller = Controller(config, self.runtime.num_kv_blocks, self.runtime.max_model_len,
-                                     self.max_num_batched_tokens, self.adapters, _eos_ids(hf_config, self.tokenizer))
+                                     self.max_num_batched_tokens, self.adapters, eos_ids, hf_config.vocab_size)
+        self.grammars = GrammarCompiler(path, hf_config.vocab_size, eos_ids)   # compiles on a thread of its own
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._seqs: dict[str, Sequence] = {}
@@ -122,7 +125,7 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------
     def _make_sequence(self, prompt: Prompt, params: SamplingParams, adapter: str | None,
-                       request_id: str | None) -> Sequence:
+                       request_id: str | None, grammar=None) -> Sequence:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
@@ -152,13 +155,18 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._seqs:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        return Sequence(request_id, token_ids, params, seed, adapter)
+        seq = Sequence(request_id, token_ids, params, seed, adapter)
+        if params.structured is not None:   # compiled here unless the caller compiled it off this thread
+            seq.matcher = GrammarMatcher(grammar or self.grammars.compile_now(params.structured))
+        return seq
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, adapter: str | None = None,
-                    request_id: str | None = None, *, detokenize: bool = True) -> str:
+                    request_id: str | None = None, *, detokenize: bool = True, grammar=None) -> str:
         """Queue a request. detokenize=False: its text is made by the caller, from `step_deltas` (the async
-        engine does this in front of its step thread); `step` then reports nothing for it."""
-        return self._queue(self._make_sequence(prompt, params or SamplingParams(), adapter, request_id), detokenize)
+        engine does this in front of its step thread); `step` then reports nothing for it. `grammar`:
+        params.structured compiled already (`self.grammars.compile`), else it is compiled now."""
+        seq = self._make_sequence(prompt, params or SamplingParams(), adapter, request_id, grammar)
+        return self._queue(seq, detokenize)
 
     def _queue(self, seq: Sequence, detokenize: bool) -> str:
         self._seqs[seq.request_id] = seq
@@ -271,6 +279,7 @@ class LLMEngine:
         return out
 
     def close(self) -> None:
+        self.grammars.close()
         if self.adapters:
             self.adapters.close()
         self.executor.close()

@@ -40,6 +40,10 @@ class StepPlan:
     # per sequence: the prompt tokens its new tokens' logits are scored against (prompt logprobs), or None
     prompt_logprob_targets: list[list[int] | None] = field(default_factory=list)
     num_prompt_logprobs: int = 0                     # alternatives per prompt token (the most any seq asked)
+    # grammar-constrained sampled rows (indices into the sampling lists) and their token bitmasks
+    # [len(grammar_rows), ceil(vocab / 32)] int32, filled by the controller from each sequence's matcher
+    grammar_rows: list[int] = field(default_factory=list)
+    token_bitmask: object = None
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -143,10 +143,13 @@ class ModelRunner:
         if plan.wants_prompt_logprobs:
             out.prompt_logprobs = prompt_logprobs(logits[num_sampled:], plan)
         if num_sampled:   # else: only chunks of longer prompts, nothing to sample
+            if plan.grammar_rows:
+                self.sampler_state.load_bitmask(num_sampled, plan.grammar_rows, plan.token_bitmask)
             tensors = SamplingTensors.from_lists(
                 plan.temperatures, plan.top_ks, plan.top_ps, plan.seeds, plan.steps, self.vocab_size, self.device,
                 min_ps=plan.min_ps, slots=plan.sampler_slots, penalties=plan.penalties, hold_stops=plan.hold_stops,
-                use_bias=plan.use_bias, num_top_logprobs=max(plan.top_logprobs, default=0))
+                use_bias=plan.use_bias, num_top_logprobs=max(plan.top_logprobs, default=0),
+                use_grammar=bool(plan.grammar_rows))
             result = sample(logits[:num_sampled], tensors, self.sampler_state)
             out.tokens, out.logprobs = result.tokens.tolist(), result.logprobs.tolist()
             if result.top_ids is not None:

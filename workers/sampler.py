@@ -9,8 +9,9 @@ lives in fixed device buffers indexed by the sequence's sampler slot
 (SamplerState), so no step builds vocab-sized tensors from host data.
 
 Order, as vLLM's: min_tokens and logit_bias on the raw logits, then the
-repetition / frequency / presence penalties, then temperature, min-p, top-k,
-top-p. Returned logprobs (the sampled token's and the top alternatives) are
+repetition / frequency / presence penalties, then the grammar's token bitmask
+(SamplerState.token_bitmask: rows the runner copies in from the plan each step,
+unpacked with fixed-shape ops), then temperature, min-p, top-k, top-p. Returned logprobs (the sampled token's and the top alternatives) are
 of the raw distribution, before any of these (vLLM's default `raw_logprobs`).
 """
 from __future__ import annotations
@@ -39,11 +40,12 @@ class SamplingTensors:
     hold_stops: torch.Tensor | None = None      # [B] bool: min_tokens not reached yet
     use_bias: bool = False
     num_top_logprobs: int = 0                   # host: the most alternatives any row asked for
+    use_grammar: bool = False                   # host: rows [0, B) of state.token_bitmask hold this step's masks
 
     @classmethod
     def from_lists(cls, temperatures, top_ks, top_ps, seeds, steps, vocab_size: int, device, *, min_ps=(),
                    slots=(), penalties=(), hold_stops=(), use_bias: bool = False,
-                   num_top_logprobs: int = 0) -> SamplingTensors:
+                   num_top_logprobs: int = 0, use_grammar: bool = False) -> SamplingTensors:
         ks = [vocab_size if k <= 0 else min(k, vocab_size) for k in top_ks]
         f32 = dict(device=device, dtype=torch.float32)
         i64 = dict(device=device, dtype=torch.int64)
@@ -60,13 +62,15 @@ class SamplingTensors:
             slots=to_device(slots, **i64) if slots else None,
             penalties=to_device(penalties, **f32) if penalized else None,
             hold_stops=to_device(hold_stops, device, torch.bool) if any(hold_stops) else None,
-            use_bias=use_bias, num_top_logprobs=num_top_logprobs)
+            use_bias=use_bias, num_top_logprobs=num_top_logprobs, use_grammar=use_grammar)
 
 
 class SamplerState:
     """Per-sequence history in fixed buffers, one row per sampler slot (the controller assigns slots)."""
 
     def __init__(self, num_slots: int, vocab_size: int, max_bias_entries: int, device):
+        # per sampled row of a step (not per slot): bit v of row b set = token v allowed; -1 = no constraint
+        self.token_bitmask = torch.full((num_slots, (vocab_size + 31) // 32), -1, dtype=torch.int32, device=device)
         self.output_counts = torch.zeros(num_slots, vocab_size, dtype=torch.int32, device=device)
         self.prompt_mask = torch.zeros(num_slots, vocab_size, dtype=torch.bool, device=device)
         self.stop_mask = torch.zeros(num_slots, vocab_size, dtype=torch.bool, device=device)
@@ -93,6 +97,13 @@ class SamplerState:
             n = len(logit_bias)
             self.bias_ids[slot, :n] = as_ids(list(logit_bias))
             self.bias_values[slot, :n] = to_device(list(logit_bias.values()), device, torch.float32)
+
+    def load_bitmask(self, num_rows: int, rows: list[int], bitmask: torch.Tensor) -> None:
+        """This step's masks: `bitmask[i]` for sampled row `rows[i]`, every other row of [0, num_rows) free."""
+        device = self.token_bitmask.device
+        target = self.token_bitmask[:num_rows]
+        target.fill_(-1)
+        target.index_copy_(0, to_device(rows, device, torch.int64), to_device(bitmask, device, torch.int32))
 
     def record(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """Count the sampled tokens (fixed shape: one index_put per step)."""
@@ -136,6 +147,18 @@ def apply_processors(logits: torch.Tensor, t: SamplingTensors, state: SamplerSta
     return logits
 
 
+_BIT_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """-inf where the bit of a token is clear (xgrammar's layout: token v is bit v % 32 of word v // 32)."""
+    shifts = _BIT_SHIFTS.get(logits.device)
+    if shifts is None:
+        shifts = _BIT_SHIFTS[logits.device] = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).flatten(1)[:, :logits.shape[-1]].bool()
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
 def _filter(probs: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     if t.min_ps is not None:          # min-p: drop tokens below min_p times the likeliest one's probability
         probs = probs.masked_fill(probs < t.min_ps[:, None] * probs.amax(-1, keepdim=True), 0.0)
@@ -163,6 +186,8 @@ def sample(logits: torch.Tensor, t: SamplingTensors, state: SamplerState | None 
     """Token ids [B], their logprobs under the model's raw distribution, and the top alternatives."""
     raw = logits.float()
     logits = apply_processors(raw, t, state)
+    if t.use_grammar:
+        logits = apply_token_bitmask(logits, state.token_bitmask[:logits.shape[0]])
     greedy = logits.argmax(dim=-1)
     if t.all_greedy:
         # The noise hash over [B, vocab] int64 (~20 ms a step at batch 32 on CPU, more than the

@@ -40,6 +40,9 @@ class Sequence:
     num_preemptions: int = 0
     lora_skips: int = 0                   # admissions that passed it over for lack of a LoRA slot
     num_reported: int = 0                 # output tokens already handed out in a delta
+    # its grammar position (workers/grammar.py) when params.structured: advanced with every token it keeps,
+    # so it survives preemption (the recompute samples nothing it has already accepted)
+    matcher: object | None = None
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)

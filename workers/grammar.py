@@ -1,0 +1,178 @@
+"""Grammar-constrained decoding with xgrammar: specs, compilation off the step thread, per-sequence matchers.
+
+A request names its constraint as a `StructuredSpec` (JSON schema, any JSON object, regex, a choice
+of strings, an EBNF grammar, or tool calls in the model's template format). It is compiled against
+the engine's tokenizer on a thread of its own, before the request is queued (an invalid schema is a
+ValueError naming it: a 400), and cached by spec, so a burst of one schema compiles once. Each
+sequence (every choice of n / best_of) gets its own matcher; the controller fills the matcher's
+token bitmask into the step plan for every row it samples and advances the matcher with the token
+the step produced (workers/controller.py). The workers apply the mask to the logits from a fixed
+buffer (workers/sampler.py). Vocabulary rows past the tokenizer's (padding) are never allowed;
+EOS only where the grammar accepts.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import re
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tool_calls")
+CACHE_SIZE = 256                   # compiled grammars kept (LRU by spec)
+_XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+
+
+class GrammarError(ValueError):
+    """The constraint cannot be compiled (invalid or unsupported schema, regex or grammar)."""
+
+
+@dataclass(frozen=True)
+class StructuredSpec:
+    """What a request's output must match. `value`: canonical JSON of a schema, of a list of choices or of
+    the tool-call spec, or the regex / EBNF text; the cache key as it stands."""
+    kind: str
+    value: str = ""
+    field: str = "response_format"     # the request field it came from (named in errors)
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"structured output kind must be one of {KINDS}, got {self.kind!r}")
+
+    @classmethod
+    def json_schema(cls, schema, field: str = "response_format") -> StructuredSpec:
+        if not isinstance(schema, (dict, bool)):
+            raise GrammarError(f"{field}: the JSON schema must be an object, got {type(schema).__name__}")
+        return cls("json_schema", json.dumps(schema), field)   # key order kept: properties come out in it
+
+    @classmethod
+    def tool_calls(cls, tools: list[tuple[str, dict]], parallel: bool) -> StructuredSpec:
+        """One or more (or, not parallel, exactly one) hermes-style calls of the given (name, parameters)."""
+        value = json.dumps({"tools": [[n, p] for n, p in tools], "parallel": parallel}, sort_keys=True)
+        return cls("tool_calls", value, "tool_choice")
+
+
+def tool_call_begin(name: str) -> str:
+    """Qwen3's (hermes) tool-call framing, as its chat template writes it; the arguments object follows."""
+    return '<tool_call>\n{"name": ' + json.dumps(name) + ', "arguments": '
+
+
+TOOL_CALL_END = "}\n</tool_call>"
+
+
+class GrammarCompiler:
+    """Compiles specs on one background thread (xgrammar is imported there too: ~3 s on first use)."""
+
+    def __init__(self, tokenizer_path, vocab_size: int, stop_token_ids):
+        # its own tokenizer instance (read on the compile thread): a Rust tokenizer is not shared across threads
+        self._tokenizer_path, self.vocab_size, self._stop = tokenizer_path, vocab_size, sorted(stop_token_ids)
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        self._cache: OrderedDict[StructuredSpec, concurrent.futures.Future] = OrderedDict()
+        self._lock = threading.Lock()
+        self._compiler = None
+        self.num_compiled = 0              # compilations run (cache misses), for tests and stats
+
+    def compile(self, spec: StructuredSpec) -> concurrent.futures.Future:
+        """A future of the compiled grammar; the same future for the same spec while it is cached."""
+        key = StructuredSpec(spec.kind, spec.value)            # the field it came from is not part of the key
+        with self._lock:
+            future = self._cache.get(key)
+            if future is not None:                             # compiling or compiled (an error stays one)
+                self._cache.move_to_end(key)
+                return _named(future, spec)
+            future = self._executor.submit(self._compile, key)
+            self._cache[key] = future
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return _named(future, spec)
+
+    def compile_now(self, spec: StructuredSpec):
+        return self.compile(spec).result()
+
+    def _compile(self, spec: StructuredSpec):
+        compiler = self._get_compiler()
+        self.num_compiled += 1
+        try:
+            if spec.kind == "json_schema":
+                return compiler.compile_json_schema(spec.value, any_whitespace=False)
+            if spec.kind == "json_object":
+                return compiler.compile_builtin_json_grammar()
+            if spec.kind == "regex":
+                return compiler.compile_regex(spec.value)
+            if spec.kind == "choice":
+                return compiler.compile_regex("|".join(re.escape(c) for c in json.loads(spec.value)))
+            if spec.kind == "grammar":
+                return compiler.compile_grammar(spec.value)
+            return compiler.compile_structural_tag(_tool_call_tag(spec.value))
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise GrammarError(_clean(exc)) from None
+
+    def _get_compiler(self):
+        if self._compiler is None:
+            import xgrammar as xgr
+            from transformers import AutoTokenizer
+            tokenizer = AutoTokenizer.from_pretrained(self._tokenizer_path)
+            info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
+                                                      stop_token_ids=self._stop)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        return self._compiler
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _named(future: concurrent.futures.Future, spec: StructuredSpec) -> concurrent.futures.Future:
+    """The shared future, its error prefixed with the field this request named the constraint in."""
+    out: concurrent.futures.Future = concurrent.futures.Future()
+
+    def done(f: concurrent.futures.Future) -> None:
+        exc = f.exception()
+        if exc is None:
+            out.set_result(f.result())
+        else:
+            out.set_exception(GrammarError(f"{spec.field}: {spec.kind} is invalid or unsupported: {exc}")
+                              if isinstance(exc, GrammarError) else exc)
+
+    future.add_done_callback(done)
+    return out
+
+
+def _clean(exc: Exception) -> str:
+    """xgrammar's message without its C++ source location."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return _XGRAMMAR_PREFIX.sub("", text)[:500]
+
+
+def _tool_call_tag(value: str) -> str:
+    """Calls separated by a newline, each `<tool_call>\\n{"name": N, "arguments": ARGS}\\n</tool_call>` with
+    ARGS valid against that function's parameters: one at least, only one unless parallel."""
+    spec = json.loads(value)
+    tags = [{"type": "tag", "begin": tool_call_begin(name), "end": TOOL_CALL_END,
+             "content": {"type": "json_schema", "json_schema": params}} for name, params in spec["tools"]]
+    return json.dumps({"type": "structural_tag",
+                       "format": {"type": "tags_with_separator", "tags": tags, "separator": "\n",
+                                  "at_least_one": True, "stop_after_first": not spec["parallel"]}})
+
+
+class GrammarMatcher:
+    """One sequence's position in its grammar."""
+
+    def __init__(self, compiled):
+        import xgrammar as xgr
+        self._matcher = xgr.GrammarMatcher(compiled)
+
+    def fill_bitmask(self, bitmask, row: int) -> None:
+        """Row `row` of the int32 bitmask [rows, ceil(vocab / 32)]: bit v of the row set = token v allowed."""
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token: int) -> bool:
+        return self._matcher.accept_token(token)
+
+    @property
+    def is_terminated(self) -> bool:
+        return self._matcher.is_terminated()
+
+
+def bitmask_width(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
