@@ -83,12 +83,12 @@ class LLMServer:
     async def generate_choices(self, prompt: Prompt | None = None,
                                sampling_params: SamplingParams | dict | None = None, *,
                                messages: list[dict] | None = None, request_id: str | None = None, n: int = 1,
-                               best_of: int | None = None, echo: bool = False,
-                               names: bool = False) -> list[ServedOutput]:
+                               best_of: int | None = None, echo: bool = False, names: bool = False,
+                               tools: list[dict] | None = None) -> list[ServedOutput]:
         """`n` finished choices (`index` 0..n-1); with best_of, that many are sampled and the n with the highest
         cumulative logprob returned. `echo`: each carries the prompt's text (`prompt_text`); `names`: the text
-        and bytes of every token it names (`token_names`, for logprobs)."""
-        adapter, prompt_ids, params = await self._start(prompt, sampling_params, messages)
+        and bytes of every token it names (`token_names`, for logprobs); `tools`: rendered by the chat template."""
+        adapter, prompt_ids, params = await self._start(prompt, sampling_params, messages, tools)
         count = best_of or n
         try:
             async with asyncio.TaskGroup() as group:   # one failing cancels the others (their requests abort)
@@ -106,14 +106,15 @@ class LLMServer:
     async def generate_stream(self, prompt: Prompt | None = None,
                               sampling_params: SamplingParams | dict | None = None, *,
                               messages: list[dict] | None = None, request_id: str | None = None, n: int = 1,
-                              echo: bool = False, names: bool = False) -> AsyncIterator[ServedOutput]:
+                              echo: bool = False, names: bool = False,
+                              tools: list[dict] | None = None) -> AsyncIterator[ServedOutput]:
         """Deltas of `n` choices, interleaved (each item's `index` says whose): new tokens, text and logprobs
         (prompt_token_ids, and with echo prompt_text, on a choice's first item only).
 
         Text is held back while it may still change: a trailing partial UTF-8
         character, or a possible start of a stop string.
         """
-        adapter, prompt_ids, params = await self._start(prompt, sampling_params, messages)
+        adapter, prompt_ids, params = await self._start(prompt, sampling_params, messages, tools)
         streams = [self._deltas(adapter, prompt_ids, child_params(params, i), child_request_id(request_id, i, n),
                                 i, prompt if echo else None, names) for i in range(n)]
         async with aclosing(merge(streams)) as items:
@@ -157,9 +158,12 @@ class LLMServer:
             out.token_names = {t: self._token_names(t) for t in ids}
         return out
 
-    async def _start(self, prompt, sampling_params, messages) -> tuple[str | None, list[int], SamplingParams]:
+    async def _start(self, prompt, sampling_params, messages, tools=None) -> tuple[str | None, list[int],
+                                                                                   SamplingParams]:
         adapter = await self._adapter_for_request()   # an unknown adapter is a 404 before anything else
-        prompt, params = await self._prepare(prompt, sampling_params, messages)
+        prompt, params = await self._prepare(prompt, sampling_params, messages, tools)
+        if params.structured is not None:   # an invalid schema is a 400 here, before any choice is queued
+            await asyncio.wrap_future(self.engine.engine.grammars.compile(params.structured))
         return adapter, prompt, params
 
     async def _outputs(self, adapter: str | None, prompt: list[int], params: SamplingParams,
@@ -177,12 +181,13 @@ class LLMServer:
         finally:
             self.metrics.record_request(kind, outcome, len(prompt), generated)
 
-    async def _prepare(self, prompt: Prompt | None, sampling_params, messages) -> tuple[list[int], SamplingParams]:
+    async def _prepare(self, prompt: Prompt | None, sampling_params, messages,
+                       tools: list[dict] | None = None) -> tuple[list[int], SamplingParams]:
         """Token ids (tokenized here, in front of the engine) and the sampling parameters."""
         if messages is not None:
             if prompt is not None:
                 raise ValueError("give a prompt or chat messages, not both")
-            prompt = await self.engine.render_chat(messages)
+            prompt = await self.engine.render_chat(messages, tools=tools)
         if prompt is None or (isinstance(prompt, (str, list)) and not prompt):
             raise ValueError("prompt is empty")
         if isinstance(prompt, str):

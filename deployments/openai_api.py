@@ -29,6 +29,7 @@ from deployments.errors import APIError, ModelNotFoundError, error_response, qui
 from deployments.http_edge import Body, check_api_key, install_error_handlers, read_body, request_id
 from deployments.loopback import bind_replica_grpc_to_node_ip
 from deployments.metrics import render_prometheus
+from deployments.tool_calls import ToolCallParser, parse_tool_calls
 from lora.adapter import ADAPTER_NAME, check_adapter_name
 from workers.async_engine import EngineDeadError
 
@@ -130,7 +131,8 @@ class OpenAIIngress:
             body = await self._read(request, oai.ChatCompletionRequest)
             adapter = self._adapter_of(body.model)
             params = body.sampling_params(None)
-            options = dict(messages=body.chat_messages(), n=body.n, names=body.wants_logprobs)
+            options = dict(messages=body.chat_messages(), n=body.n, names=body.wants_logprobs,
+                           tools=body.template_tools())
             if body.stream:
                 return await self._stream(self._handle(adapter, stream=True).generate_stream.remote(
                     None, params, **options), body, request, chat=True)
@@ -140,8 +142,11 @@ class OpenAIIngress:
         for out in outs:
             if body.return_tokens_as_token_ids:
                 rs.name_tokens_by_id(out)
-        choices = [rs.chat_choice(out.index, out.text, rs.finish_reason(out),
-                                  rs.chat_logprobs(out) if body.wants_logprobs else None) for out in outs]
+        choices = []
+        for out in outs:
+            content, calls = parse_tool_calls(out.text) if body.parses_tool_calls else (out.text, [])
+            choices.append(rs.chat_choice(out.index, content, rs.tool_finish_reason(rs.finish_reason(out), len(calls)),
+                                          rs.chat_logprobs(out) if body.wants_logprobs else None, calls))
         usage = rs.usage(outs[0].num_prompt_tokens, sum(len(o.token_ids) for o in outs), outs[0].num_cached_tokens)
         return JSONResponse(rs.chat_body(rs.new_id("chatcmpl"), body.model, choices, usage),
                             headers={REPLICA_HEADER: outs[-1].replica_id})
@@ -156,6 +161,7 @@ class OpenAIIngress:
         make_body = rs.chat_body if chat else rs.completion_body
         prompt_tokens, cached_tokens, completion_tokens = first.num_prompt_tokens, first.num_cached_tokens, 0
         started, offsets = set(), {}
+        parsers: dict[int, ToolCallParser] = {}   # per choice, when the request's tool calls are parsed
 
         def event(choices: list[dict], usage: dict | None = None) -> str:
             return f"data: {json.dumps(make_body(response_id, body.model, choices, usage, chunk=True))}\n\n"
@@ -177,8 +183,20 @@ class OpenAIIngress:
                     pass     # tokens whose text is still held back: nothing to show yet
                 elif chat:
                     logprobs = rs.chat_logprobs(item) if body.wants_logprobs else None
-                    delta = {"content": text} if text or not finish else {}
-                    yield event([rs.chat_chunk_choice(i, delta, finish, logprobs)])
+                    calls, made = [], 0
+                    if body.parses_tool_calls:   # text inside a call is held until the call is complete
+                        parser = parsers.setdefault(i, ToolCallParser())
+                        made = parser.num_calls
+                        text, calls = parser.feed(text)
+                        if finish:
+                            tail, more = parser.finish()
+                            text, calls = text + tail, calls + more
+                        finish = rs.tool_finish_reason(finish, parser.num_calls)
+                    if text or calls or finish or logprobs or not body.parses_tool_calls:
+                        delta = {"content": text} if text or not (finish or calls) else {}
+                        if calls:
+                            delta["tool_calls"] = rs.tool_call_deltas(calls, made)
+                        yield event([rs.chat_chunk_choice(i, delta, finish, logprobs)])
                 else:
                     logprobs = rs.completion_logprobs(item, echo, offsets.get(i, 0)) if body.wants_logprobs else None
                     yield event([rs.completion_choice(i, text, finish, logprobs)])

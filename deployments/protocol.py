@@ -14,6 +14,10 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from deployments.structured import (MessageToolCall, NamedToolChoice, ResponseFormat, StructuredOutputs, Tool,
+                                    constraint)
+from workers.grammar import TOOL_CALL_END
+
 # accepted and ignored: they label or route a request on OpenAI's side and change nothing in the answer
 HARMLESS = frozenset({"user", "metadata", "safety_identifier", "prompt_cache_key", "service_tier",
                       "parallel_tool_calls"})
@@ -21,7 +25,7 @@ HARMLESS = frozenset({"user", "metadata", "safety_identifier", "prompt_cache_key
 UNSUPPORTED_UNLESS = {
     "suffix": (None, ""), "tools": (None, []),
     "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}), "store": (None, False),
+    "store": (None, False),
     "top_logprobs": (None, 0),           # completions: its logprobs=N says it (chat has the field itself)
     "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,), "reasoning_effort": (None,),
     "verbosity": (None,), "web_search_options": (None,),
@@ -32,7 +36,7 @@ UNSUPPORTED_UNLESS = {
     "include_stop_str_in_output": (None, False),
     "add_generation_prompt": (None, True), "continue_final_message": (None, False), "chat_template": (None,),
     "chat_template_kwargs": (None, {}), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
-    "guided_grammar": (None,), "structured_outputs": (None,), "priority": (None, 0), "request_id": (None,),
+    "guided_grammar": (None,), "priority": (None, 0), "request_id": (None,),
 }
 MAX_PROMPTS = 256                          # prompts of one /v1/completions request (each is a handle call)
 MAX_CHOICES = 16                           # n, best_of: each choice is a sequence of its own
@@ -116,10 +120,15 @@ class OpenAIRequest(StrictModel):
     min_p: float = 0.0                   # vLLM extension
     min_tokens: int = 0                  # vLLM extension
     logit_bias: dict[str, float] | None = None   # OpenAI's: token id (as a JSON key) -> bias
+    response_format: ResponseFormat | None = None              # deployments/structured.py
+    structured_outputs: StructuredOutputs | None = None        # vLLM extension
+
+    def constraint(self):
+        return constraint(self.response_format, self.structured_outputs)
 
     def sampling_params(self, default_max_tokens: int | None) -> dict[str, Any]:
         """Keyword arguments of workers.SamplingParams; max_tokens None = the rest of the context."""
-        return dict(max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
+        return dict(structured=self.constraint(),max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
                     temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
                     stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
                     presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
@@ -192,6 +201,24 @@ class ChatMessage(StrictModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None              # harmless: chat templates of this model family ignore it
+    tool_calls: list[MessageToolCall] | None = None   # an assistant's earlier calls
+    tool_call_id: str | None = None                   # a tool message: the call it answers
+
+    @model_validator(mode="after")
+    def _tool_fields_by_role(self):
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"tool_calls is only allowed on assistant messages, not {self.role!r}")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError(f"tool_call_id is only allowed on tool messages, not {self.role!r}")
+        return self
+
+    def template_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [call.template_dict() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -203,10 +230,29 @@ class ChatMessage(StrictModel):
 
 
 class ChatCompletionRequest(OpenAIRequest):
+    harmless = HARMLESS - {"parallel_tool_calls"}
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    def constraint(self):
+        return constraint(self.response_format, self.structured_outputs, self.tools, self.tool_choice,
+                          self.parallel_tool_calls)
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        """The model sees the tools and its calls are parsed into message.tool_calls."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools as the chat template takes them (none when tool_choice is "none": the model never sees them)."""
+        if not self.parses_tool_calls:
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self):
@@ -222,13 +268,17 @@ class ChatCompletionRequest(OpenAIRequest):
     def num_top_logprobs(self) -> int:
         return self.top_logprobs or 0
 
-    def chat_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def chat_messages(self) -> list[dict[str, Any]]:
+        return [m.template_dict() for m in self.messages]
 
     def sampling_params(self, default_max_tokens: int | None) -> dict[str, Any]:
         params = super().sampling_params(default_max_tokens)
         if self.max_completion_tokens is not None:
             params["max_tokens"] = self.max_completion_tokens
+        if self.parses_tool_calls and params["structured"] is None and self.parallel_tool_calls is False:
+            # auto, one call at most: generation ends with the first call (the parser takes it unterminated)
+            stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+            params["stop"] = stops + [TOOL_CALL_END.strip()]
         return params
 
 

@@ -101,9 +101,22 @@ def chat_body(request_id: str, model: str, choices: list[dict], usage_: dict | N
     return body
 
 
-def chat_choice(index: int, text: str, finish: str | None, logprobs: dict | None = None) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-            "logprobs": logprobs}
+def chat_choice(index: int, text: str | None, finish: str | None, logprobs: dict | None = None,
+                tool_calls: list[dict] | None = None) -> dict:
+    message = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message, "finish_reason": finish, "logprobs": logprobs}
+
+
+def tool_finish_reason(finish: str | None, num_calls: int) -> str | None:
+    """OpenAI's "tool_calls" when the output ended by itself after making calls (a cut one stays "length")."""
+    return "tool_calls" if finish == "stop" and num_calls else finish
+
+
+def tool_call_deltas(calls: list[dict], first_index: int) -> list[dict]:
+    """Streamed calls: each whole (id, name and arguments in one delta), numbered across the choice."""
+    return [{"index": first_index + i, **call} for i, call in enumerate(calls)]
 
 
 def chat_chunk_choice(index: int, delta: dict, finish: str | None, logprobs: dict | None = None) -> dict:

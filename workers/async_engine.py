@@ -68,9 +68,10 @@ class AsyncLLMEngine:
         return self.engine.runtime.max_model_len
 
     async def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                          add_special_tokens: bool = False) -> list[int]:
-        """The chat template's prompt as token ids (tokenized on the tokenizer thread)."""
-        return await self.encoder.render_chat(messages, add_generation_prompt, add_special_tokens)
+                          add_special_tokens: bool = False, tools: list[dict] | None = None) -> list[int]:
+        """The chat template's prompt as token ids (tokenized on the tokenizer thread); `tools` as the
+        template's `tools` (OpenAI's function-tool dicts)."""
+        return await self.encoder.render_chat(messages, add_generation_prompt, add_special_tokens, tools)
 
     # ---- caller side (any event loop) ---------------------------------------------------------------
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, adapter: str | None = None,

@@ -44,11 +44,12 @@ def encode(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
 
 
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                add_special_tokens: bool = False) -> list[int]:
+                add_special_tokens: bool = False, tools: list[dict] | None = None) -> list[int]:
     """The chat template's prompt as token ids (the template writes its own special tokens, so by default none
     are added again, as transformers' own apply_chat_template(tokenize=True) does)."""
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
     except Exception as exc:  # jinja errors: the messages do not fit the model's template
         raise ValueError(f"chat template failed for these messages: {exc}") from exc
     return tokenizer(text, add_special_tokens=add_special_tokens).input_ids
@@ -68,10 +69,10 @@ class PromptEncoder:
         return await self._run(encode, text, add_special_tokens)
 
     async def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                          add_special_tokens: bool = False) -> list[int]:
+                          add_special_tokens: bool = False, tools: list[dict] | None = None) -> list[int]:
         size = sum(len(m.get("content") or "") for m in messages)
         check_prompt_chars(size, self.max_chars, self.max_model_len)
-        return await self._run(render_chat, messages, add_generation_prompt, add_special_tokens)
+        return await self._run(render_chat, messages, add_generation_prompt, add_special_tokens, tools)
 
     async def _run(self, fn, *args):
         return await asyncio.wrap_future(self._executor.submit(fn, self._tokenizer, *args))
