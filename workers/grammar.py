@@ -95,7 +95,8 @@ class GrammarCompiler:
         self.num_compiled += 1
         try:
             if spec.kind == "json_schema":
-                return compiler.compile_json_schema(spec.value, any_whitespace=False)
+                schema = _bounded_strings_as_patterns(json.loads(spec.value))
+                return compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
             if spec.kind == "json_object":
                 return compiler.compile_builtin_json_grammar()
             if spec.kind == "regex":
@@ -144,12 +145,30 @@ def _clean(exc: Exception) -> str:
     return _XGRAMMAR_PREFIX.sub("", text)[:500]
 
 
+def _bounded_strings_as_patterns(schema):
+    """xgrammar 0.2.9 compiles a string with minLength / maxLength to `[^"\\\r\n]{m,n}`, which lets raw
+    control characters (a tab) into the string: invalid JSON. The same bounds as a pattern of JSON string
+    characters keep it valid (escapes are left out: every character stands for itself)."""
+    if isinstance(schema, list):
+        return [_bounded_strings_as_patterns(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: _bounded_strings_as_patterns(value) for key, value in schema.items()}
+    kinds = out.get("type") if isinstance(out.get("type"), list) else [out.get("type")]
+    bounded = "minLength" in out or "maxLength" in out
+    if "string" in kinds and bounded and not ({"pattern", "format", "enum", "const"} & out.keys()):
+        low, high = out.pop("minLength", 0), out.pop("maxLength", "")
+        out["pattern"] = f'^[^"\\\\\\x00-\\x1f]{{{low},{high}}}$'
+    return out
+
+
 def _tool_call_tag(value: str) -> str:
     """Calls separated by a newline, each `<tool_call>\\n{"name": N, "arguments": ARGS}\\n</tool_call>` with
     ARGS valid against that function's parameters: one at least, only one unless parallel."""
     spec = json.loads(value)
     tags = [{"type": "tag", "begin": tool_call_begin(name), "end": TOOL_CALL_END,
-             "content": {"type": "json_schema", "json_schema": params}} for name, params in spec["tools"]]
+             "content": {"type": "json_schema", "json_schema": _bounded_strings_as_patterns(params)}}
+            for name, params in spec["tools"]]
     return json.dumps({"type": "structural_tag",
                        "format": {"type": "tags_with_separator", "tags": tags, "separator": "\n",
                                   "at_least_one": True, "stop_after_first": not spec["parallel"]}})
