@@ -43,7 +43,7 @@ SAMPLING_BAD = {   # values no field of that name accepts (strict types, ranges,
     "presence_penalty": [3, "0.5", True], "frequency_penalty": [-5, None], "repetition_penalty": [0, 5, "1"],
     "min_p": [2, -1], "min_tokens": [-1, 10 ** 6, 1.5],
     "n": [0, 17, "1", True], "best_of": [0, 17, "3"], "echo": ["yes", 1], "suffix": ["x"], "tools": [[{}]],
-    "response_format": [{"type": "json_object"}], "top_logprobs": [21, -1, "3"], "prompt_logprobs": [1],
+    "response_format": [{"type": "xml"}, "json", {"type": "json_schema"}, {"type": "text", "x": 1}], "top_logprobs": [21, -1, "3"], "prompt_logprobs": [1],
     "guided_json": [{}], "return_tokens_as_token_ids": ["yes"],
     "nonexistent_field": [1], "": [1], "x" * 100: [None],
 }

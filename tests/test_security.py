@@ -227,7 +227,7 @@ def test_request_bodies_over_the_limit_get_413_before_parsing(url):
      "unknown_parameter"),
     ("unsupported field", "POST", "/v1/chat/completions",
      {"json": {"model": BASE, "messages": [{"role": "user", "content": "Hi"}],
-               "response_format": {"type": "json_object"}}}, 400, "unsupported_parameter"),
+               "functions": [{"name": "f"}]}}, 400, "unsupported_parameter"),
 ])
 def test_every_error_is_an_openai_body_with_a_request_id(url, what, method, path, kwargs, status, code):
     headers = {**AUTH}
@@ -238,7 +238,7 @@ def test_every_error_is_an_openai_body_with_a_request_id(url, what, method, path
     message = openai_error(response, status, code)
     if code in ("unknown_parameter", "unsupported_parameter", "invalid_request") and "json" in kwargs:
         field = {"schema": "prompt", "strict type": "max_tokens", "unknown field": "best_effort",
-                 "unsupported field": "response_format"}[what]
+                 "unsupported field": "functions"}[what]
         assert field in message, message
     echoed = requests.get(f"{url}/v1/nope", headers={**AUTH, "x-request-id": "client-chosen-id"}, timeout=60)
     assert echoed.headers["x-request-id"] == "client-chosen-id"

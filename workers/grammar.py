@@ -95,7 +95,7 @@ class GrammarCompiler:
         self.num_compiled += 1
         try:
             if spec.kind == "json_schema":
-                schema = _bounded_strings_as_patterns(json.loads(spec.value))
+                schema = _safe_strings(json.loads(spec.value))
                 return compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
             if spec.kind == "json_object":
                 return compiler.compile_builtin_json_grammar()
@@ -145,20 +145,25 @@ def _clean(exc: Exception) -> str:
     return _XGRAMMAR_PREFIX.sub("", text)[:500]
 
 
-def _bounded_strings_as_patterns(schema):
-    """xgrammar 0.2.9 compiles a string with minLength / maxLength to `[^"\\\r\n]{m,n}`, which lets raw
-    control characters (a tab) into the string: invalid JSON. The same bounds as a pattern of JSON string
-    characters keep it valid (escapes are left out: every character stands for itself)."""
+# JSON string characters as code points: printable ASCII but `"` and `\`, then the BMP without control
+# characters and surrogates (no escapes, no characters past U+FFFF: each character stands for itself)
+STRING_CHARS = "[ !#-\\[\\]-~\\u00a0-\\ud7ff\\ue000-\\ufffd]"
+
+
+def _safe_strings(schema):
+    """Plain string schemas as patterns of STRING_CHARS. xgrammar 0.2.9 compiles strings so that encoded
+    surrogates (ED A0 80: invalid UTF-8, decoded as three U+FFFD) pass, and a string with minLength /
+    maxLength to `[^"\\\r\n]{m,n}`, which also passes raw control characters (a tab): invalid JSON, or
+    more characters than maxLength once decoded. The same bounds over STRING_CHARS keep both valid."""
     if isinstance(schema, list):
-        return [_bounded_strings_as_patterns(item) for item in schema]
+        return [_safe_strings(item) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {key: _bounded_strings_as_patterns(value) for key, value in schema.items()}
+    out = {key: _safe_strings(value) for key, value in schema.items()}
     kinds = out.get("type") if isinstance(out.get("type"), list) else [out.get("type")]
-    bounded = "minLength" in out or "maxLength" in out
-    if "string" in kinds and bounded and not ({"pattern", "format", "enum", "const"} & out.keys()):
+    if "string" in kinds and not ({"pattern", "format", "enum", "const"} & out.keys()):
         low, high = out.pop("minLength", 0), out.pop("maxLength", "")
-        out["pattern"] = f'^[^"\\\\\\x00-\\x1f]{{{low},{high}}}$'
+        out["pattern"] = f"^{STRING_CHARS}{{{low},{high}}}$"
     return out
 
 
@@ -167,7 +172,7 @@ def _tool_call_tag(value: str) -> str:
     ARGS valid against that function's parameters: one at least, only one unless parallel."""
     spec = json.loads(value)
     tags = [{"type": "tag", "begin": tool_call_begin(name), "end": TOOL_CALL_END,
-             "content": {"type": "json_schema", "json_schema": _bounded_strings_as_patterns(params)}}
+             "content": {"type": "json_schema", "json_schema": _safe_strings(params)}}
             for name, params in spec["tools"]]
     return json.dumps({"type": "structural_tag",
                        "format": {"type": "tags_with_separator", "tags": tags, "separator": "\n",
