@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from workers.grammar import StructuredSpec
 
 NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"        # OpenAI's rule for schema and function names
-ANY_OBJECT = {"type": "object"}                 # a function without `parameters` takes any object
+NO_PARAMETERS = {"type": "object", "properties": {}}   # OpenAI: no `parameters` is an empty parameter list
 
 
 class StrictModel(BaseModel):
@@ -154,5 +154,5 @@ def tool_call_spec(tools: list[Tool] | None, tool_choice: str | NamedToolChoice 
             raise ValueError(f"tool_choice names function {tool_choice.function.name!r}, which is not among the "
                              f"tools ({', '.join(names)})")
     named = isinstance(tool_choice, NamedToolChoice)   # a named choice is one call of that function
-    return StructuredSpec.tool_calls([(t.function.name, t.function.parameters or ANY_OBJECT) for t in chosen],
+    return StructuredSpec.tool_calls([(t.function.name, t.function.parameters or NO_PARAMETERS) for t in chosen],
                                      parallel=parallel_tool_calls is not False and not named)

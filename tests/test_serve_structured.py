@@ -73,11 +73,11 @@ def url(model_dir, tmp_path_factory):
 
     from deployments.app import build_app
 
-    model = model_dir("qwen3")
+    model = model_dir("qwen3", max_position_embeddings=2048)   # the tools' signatures: ~700 prompt tokens
     adapter = make_adapter(model, tmp_path_factory.mktemp("structured") / "a", r=8, seed=1)
     with local_serve(num_cpus=3) as base_url:
         serve.run(build_app(dict(model=str(model), served_model_name=BASE, adapters={"a": str(adapter)},
-                                 device="cpu", max_model_len=512, max_lora_rank=8, max_ongoing_requests=64)),
+                                 device="cpu", max_model_len=2048, max_lora_rank=8, max_ongoing_requests=64)),
                   name="structured", route_prefix="/")
         yield base_url
         serve.delete("structured")
@@ -136,9 +136,11 @@ def test_every_schema_validates_with_and_without_adapter_streamed_and_not(client
 def test_json_object_and_structured_outputs_on_completions(client, stream):
     kw = dict(model="a", prompt="Hello", max_tokens=MAX_TOKENS, temperature=1.0, seed=3)
     if stream:
-        text = "".join(c.choices[0].text for c in client.completions.create(
-            stream=True, extra_body={"structured_outputs": {"json": SCHEMAS[0]}}, **kw))
-        jsonschema.validate(json.loads(text), SCHEMAS[0])
+        chunks = list(client.completions.create(stream=True, extra_body={"structured_outputs": {"json": SCHEMAS[7]}},
+                                                **kw))
+        text = "".join(c.choices[0].text for c in chunks)
+        if chunks[-1].choices[0].finish_reason == "stop":
+            jsonschema.validate(json.loads(text), SCHEMAS[7])
     else:
         out = client.completions.create(extra_body={"response_format": {"type": "json_object"}}, n=3, **kw)
         assert any(c.finish_reason == "stop" for c in out.choices)
@@ -147,6 +149,13 @@ def test_json_object_and_structured_outputs_on_completions(client, stream):
                 assert isinstance(json.loads(c.text), dict)
     choice = client.completions.create(extra_body={"structured_outputs": {"choice": ["yes", "no"]}}, **kw)
     assert choice.choices[0].text in ("yes", "no")
+    if not stream:   # best_of: every sampled choice constrained, the likeliest returned
+        best = client.completions.create(best_of=4, n=2, extra_body={"structured_outputs": {"json": SCHEMAS[14]}},
+                                         **kw)
+        assert len(best.choices) == 2
+        for c in best.choices:
+            assert c.finish_reason == "stop"
+            jsonschema.validate(json.loads(c.text), SCHEMAS[14])
 
 
 def check_calls(choices, names, one: bool = False):
@@ -164,9 +173,8 @@ def check_calls(choices, names, one: bool = False):
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("model", [BASE, "a"])
 def test_required_and_named_tool_choice_always_validate(client, stream, model):
-    n = 1 if stream else 3
-    for seed in range(2 if stream else 1):
-        kw = dict(tools=TOOLS, temperature=1.0, max_tokens=MAX_TOKENS, seed=seed, n=n)
+    for seed in range(2):
+        kw = dict(tools=TOOLS, temperature=1.0, max_tokens=2 * MAX_TOKENS, seed=seed, n=3)
         check_calls(chat(client, model, stream, tool_choice="required", **kw), PARAMETERS)
         check_calls(chat(client, model, stream, tool_choice="required", parallel_tool_calls=False, **kw),
                     PARAMETERS, one=True)

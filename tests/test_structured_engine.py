@@ -105,10 +105,11 @@ def test_regex_choice_and_grammar(engine):
         assert any(o.finish_reason == "stop" for o in outs)
 
 
-@pytest.mark.parametrize("variant", ["chunked", "preempted", "cached"])
+@pytest.mark.parametrize("variant", ["chunked", "preempted", "cached", "captured"])
 def test_matchers_follow_their_tokens_whatever_the_schedule(path, engine, variant):
     """Seeded sampling draws the same tokens whatever the batch: a run chunked, preempted and recomputed, or
-    served from the prefix cache must give the reference run's outputs token for token."""
+    served from the prefix cache, or decoded through captured graphs must give the reference run's outputs
+    token for token."""
     prompts = [LONG_PROMPT, PROMPTS[4], LONG_PROMPT + " x", PROMPTS[5]]
     reference = engine.generate(prompts, [params(10 + i) for i in range(4)])
     check_valid(reference, min_stopped=2)
@@ -117,6 +118,8 @@ def test_matchers_follow_their_tokens_whatever_the_schedule(path, engine, varian
         config.update(max_num_batched_tokens=16)
     elif variant == "preempted":
         config.update(num_kv_blocks=26, max_model_len=384)
+    elif variant == "captured":   # decode replayed from an op tape (graph capture emulated): the mask stays outside
+        config.update(emulate_capture=True)
     other = LLMEngine(EngineConfig(**config))
     try:
         if variant == "cached":

@@ -24,6 +24,9 @@ CACHE_SIZE = 256                   # compiled grammars kept (LRU by spec)
 _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 
 
+JSON_OBJECT = {"type": "object", "additionalProperties": True}
+
+
 class GrammarError(ValueError):
     """The constraint cannot be compiled (invalid or unsupported schema, regex or grammar)."""
 
@@ -97,8 +100,8 @@ class GrammarCompiler:
             if spec.kind == "json_schema":
                 schema = _safe_strings(json.loads(spec.value))
                 return compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
-            if spec.kind == "json_object":
-                return compiler.compile_builtin_json_grammar()
+            if spec.kind == "json_object":   # OpenAI's: an object (xgrammar's builtin JSON is any value)
+                return compiler.compile_json_schema(json.dumps(JSON_OBJECT), any_whitespace=False, strict_mode=False)
             if spec.kind == "regex":
                 return compiler.compile_regex(spec.value)
             if spec.kind == "choice":
@@ -172,7 +175,8 @@ def _tool_call_tag(value: str) -> str:
     ARGS valid against that function's parameters: one at least, only one unless parallel."""
     spec = json.loads(value)
     tags = [{"type": "tag", "begin": tool_call_begin(name), "end": TOOL_CALL_END,
-             "content": {"type": "json_schema", "json_schema": _safe_strings(params)}}
+             # at most one whitespace character in a row (a random or drifting model could pad forever)
+            "content": {"type": "json_schema", "json_schema": _safe_strings(params), "max_whitespace_cnt": 1}}
             for name, params in spec["tools"]]
     return json.dumps({"type": "structural_tag",
                        "format": {"type": "tags_with_separator", "tags": tags, "separator": "\n",
