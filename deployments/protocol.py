@@ -16,7 +16,7 @@ from pydantic_core import PydanticCustomError
 
 from deployments.structured import (MessageToolCall, NamedToolChoice, ResponseFormat, StructuredOutputs, Tool,
                                     constraint)
-from workers.grammar import TOOL_CALL_END
+from deployments.tool_calls import END as TOOL_CALL_END
 
 # accepted and ignored: they label or route a request on OpenAI's side and change nothing in the answer
 HARMLESS = frozenset({"user", "metadata", "safety_identifier", "prompt_cache_key", "service_tier",
@@ -278,7 +278,7 @@ class ChatCompletionRequest(OpenAIRequest):
         if self.parses_tool_calls and params["structured"] is None and self.parallel_tool_calls is False:
             # auto, one call at most: generation ends with the first call (the parser takes it unterminated)
             stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-            params["stop"] = stops + [TOOL_CALL_END.strip()]
+            params["stop"] = stops + [TOOL_CALL_END]
         return params
 
 

@@ -190,6 +190,11 @@ def test_auto_parses_a_call_written_in_the_template_format(client, stream):
     assert finish == "tool_calls" and content.strip() == "Let me check." and len(calls) == 1
     assert calls[0]["function"]["name"] == "get_weather"
     jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), WEATHER)
+    # one call at most with auto: generation ends at the first call's end
+    two = forced + r'\n<tool_call>\n\{"name": "get_time", "arguments": \{"zone": "UTC"\}\}\n</tool_call>'
+    [(content, calls, finish)] = chat(client, BASE, stream, tools=TOOLS, parallel_tool_calls=False,
+                                      max_tokens=MAX_TOKENS, extra_body={"structured_outputs": {"regex": two}})
+    assert finish == "tool_calls" and [c["function"]["name"] for c in calls] == ["get_weather"]
     # tool_choice "none": the same text stays content
     [(content, calls, finish)] = chat(client, BASE, stream, tools=TOOLS, tool_choice="none", max_tokens=MAX_TOKENS,
                                       extra_body={"structured_outputs": {"regex": forced}})

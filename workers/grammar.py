@@ -156,8 +156,8 @@ STRING_CHARS = "[ !#-\\[\\]-~\\u00a0-\\ud7ff\\ue000-\\ufffd]"
 def _safe_strings(schema):
     """Plain string schemas as patterns of STRING_CHARS. xgrammar 0.2.9 compiles strings so that encoded
     surrogates (ED A0 80: invalid UTF-8, decoded as three U+FFFD) pass, and a string with minLength /
-    maxLength to `[^"\\\r\n]{m,n}`, which also passes raw control characters (a tab): invalid JSON, or
-    more characters than maxLength once decoded. The same bounds over STRING_CHARS keep both valid."""
+    maxLength to a class excluding only quote, backslash, CR and LF, which also passes raw control
+    characters (a tab): invalid JSON, or more characters than maxLength once decoded. The same bounds over STRING_CHARS keep both valid."""
     if isinstance(schema, list):
         return [_safe_strings(item) for item in schema]
     if not isinstance(schema, dict):
