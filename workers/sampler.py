@@ -147,15 +147,21 @@ def apply_processors(logits: torch.Tensor, t: SamplingTensors, state: SamplerSta
     return logits
 
 
-_BIT_SHIFTS: dict[torch.device, torch.Tensor] = {}
+_BIT_TABLES: dict[torch.device, torch.Tensor] = {}
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """-inf where the bit of a token is clear (xgrammar's layout: token v is bit v % 32 of word v // 32)."""
-    shifts = _BIT_SHIFTS.get(logits.device)
-    if shifts is None:
-        shifts = _BIT_SHIFTS[logits.device] = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = ((bitmask[:, :, None] >> shifts) & 1).flatten(1)[:, :logits.shape[-1]].bool()
+    """-inf where the bit of a token is clear (xgrammar's layout: token v is bit v % 32 of word v // 32).
+
+    Read as bytes (little-endian, as every supported host and device is), byte j of a row holds tokens
+    8j .. 8j+7 in bit order: one lookup of a [256, 8] table unpacks the row in a single gather."""
+    table = _BIT_TABLES.get(logits.device)
+    if table is None:
+        bits = torch.arange(8, dtype=torch.int32)
+        table = ((torch.arange(256, dtype=torch.int32)[:, None] >> bits) & 1).bool()
+        table = _BIT_TABLES[logits.device] = to_device(table, logits.device)
+    rows = bitmask.contiguous().view(torch.uint8)
+    allowed = table.index_select(0, rows.flatten().int()).view(rows.shape[0], -1)[:, :logits.shape[-1]]
     return logits.masked_fill(~allowed, float("-inf"))
 
 
