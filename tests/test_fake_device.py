@@ -19,12 +19,15 @@ from lora.slots import GroupShape, SlotPool
 from lora_fixtures import ALL7
 from workers import EngineConfig, LLMEngine, SamplingParams
 from workers.device import PLATFORMS
+from workers.grammar import StructuredSpec
 from workers.worker import Worker
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 SAMPLED = [SamplingParams(max_tokens=10, temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, presence_penalty=0.5,
                           repetition_penalty=1.2, logit_bias={3: 2.0}, seed=i, logprobs=2) for i in range(4)]
 NAMES = ["A", None, "B", "A"]
+NUMBER = StructuredSpec.json_schema({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})
+STRUCTURED = [SamplingParams(max_tokens=24, temperature=0.8, seed=i, logprobs=2, structured=NUMBER) for i in range(4)]
 
 
 @pytest.fixture(scope="module")
@@ -115,11 +118,11 @@ def _cpu_engine(model, adapters, **kw):
 
 
 @pytest.mark.parametrize("graph_safe", [False, True], ids=["eager", "graph_safe"])
-@pytest.mark.parametrize("params", ["greedy", "sampled"])
+@pytest.mark.parametrize("params", ["greedy", "sampled", "structured"])
 def test_decode_steps_on_the_device_equal_the_cpu_engine(model, adapters, graph_safe, params):
     """Prefill, eager or graph-safe decode with LoRA slot loads and every sampler option, on the device,
     token for token the CPU engine's (both on the torch ops: the same maths)."""
-    sampling = GREEDY if params == "greedy" else SAMPLED
+    sampling = {"greedy": GREEDY, "sampled": SAMPLED, "structured": STRUCTURED}[params]   # structured: the bitmask
     platform = dataclasses.replace(PLATFORMS["npu"], supports_graphs=False)
     with FakeDevice() as tier:
         engine = _device_engine(model, adapters, platform, lora_backend="torch_native",

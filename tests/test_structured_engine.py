@@ -136,6 +136,18 @@ def test_matchers_follow_their_tokens_whatever_the_schedule(path, engine, varian
         assert stats["prefix_cache"]["hit_tokens"] > 0
 
 
+def test_a_masked_token_never_wins_the_race_even_at_noise_one():
+    """Seed 47, step 0, id 862622 draws u = (2**24 - 0.5) / 2**24, which is 1.0 in fp32: a zero Exp(1) draw. The
+    masked token's 0 / 0 must not beat the allowed one (it did: NaN wins argmax)."""
+    from workers.sampler import SamplerState, SamplingTensors, sample
+    vocab, allowed = 862624, 5
+    state = SamplerState(1, vocab, 1, "cpu")
+    state.load_bitmask(1, [0], torch.zeros(1, (vocab + 31) // 32, dtype=torch.int32))
+    state.token_bitmask[0, 0] = 1 << allowed
+    tensors = SamplingTensors.from_lists([1.0], [-1], [1.0], [47], [0], vocab, "cpu", use_grammar=True)
+    assert sample(torch.zeros(1, vocab), tensors, state).tokens.tolist() == [allowed]
+
+
 def test_bitmask_rows_reach_only_the_constrained_rows(engine):
     """A batch mixing constrained and free rows: the plan carries masks for the constrained rows only, and
     the free rows sample as they would alone."""

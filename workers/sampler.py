@@ -123,7 +123,9 @@ def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> 
     row = _mix32(_mix32(seeds) ^ (steps * 0x9E3779B1))
     vocab = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
     bits = _mix32(row[:, None] ^ _mix32(vocab + 0x632BE5AB)[None, :])
-    return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    # (2**24 - 0.5) / 2**24 rounds to 1.0 in fp32: its Exp(1) draw would be 0, and a token of probability 0
+    # (masked by a grammar, top-k / top-p / min-p) would win the race as 0 / 0 = NaN
+    return (((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))).clamp_max(1.0 - 2.0 ** -24)
 
 
 def apply_processors(logits: torch.Tensor, t: SamplingTensors, state: SamplerState | None) -> torch.Tensor:
