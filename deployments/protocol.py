@@ -128,7 +128,8 @@ class OpenAIRequest(StrictModel):
 
     def sampling_params(self, default_max_tokens: int | None) -> dict[str, Any]:
         """Keyword arguments of workers.SamplingParams; max_tokens None = the rest of the context."""
-        return dict(structured=self.constraint(),max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
+        return dict(structured=self.constraint(),
+                    max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
                     temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
                     stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
                     presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,

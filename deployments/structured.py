@@ -57,7 +57,8 @@ class StructuredOutputs(StrictModel):
     grammar: str | None = None
 
     def spec(self) -> StructuredSpec:
-        given = [k for k in ("json_", "json_object", "regex", "choice", "grammar") if getattr(self, k) not in (None, False)]
+        given = [k for k in ("json_", "json_object", "regex", "choice", "grammar")
+                 if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             raise ValueError("structured_outputs takes exactly one of json, json_object, regex, choice, grammar; "
                              f"got {len(given)}")

@@ -29,7 +29,8 @@ def _call(block: str) -> dict | None:
         data = json.loads(block)
     except json.JSONDecodeError:
         return None
-    if not (isinstance(data, dict) and isinstance(data.get("name"), str) and isinstance(data.get("arguments", {}), dict)):
+    if not (isinstance(data, dict) and isinstance(data.get("name"), str)
+            and isinstance(data.get("arguments", {}), dict)):
         return None
     arguments = json.dumps(data.get("arguments", {}), ensure_ascii=False)
     return {"id": new_call_id(), "type": "function", "function": {"name": data["name"], "arguments": arguments}}

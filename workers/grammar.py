@@ -75,6 +75,9 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._compiler = None
         self.num_compiled = 0              # compilations run (cache misses), for tests and stats
+        # xgrammar's import and the tokenizer's info (a pass over the vocabulary) at start-up, on the grammar
+        # thread: not in the first constrained request's TTFT, nor holding the GIL beside its first steps
+        self._executor.submit(self._get_compiler)
 
     def compile(self, spec: StructuredSpec) -> concurrent.futures.Future:
         """A future of the compiled grammar; the same future for the same spec while it is cached."""
@@ -157,7 +160,8 @@ def _safe_strings(schema):
     """Plain string schemas as patterns of STRING_CHARS. xgrammar 0.2.9 compiles strings so that encoded
     surrogates (ED A0 80: invalid UTF-8, decoded as three U+FFFD) pass, and a string with minLength /
     maxLength to a class excluding only quote, backslash, CR and LF, which also passes raw control
-    characters (a tab): invalid JSON, or more characters than maxLength once decoded. The same bounds over STRING_CHARS keep both valid."""
+    characters (a tab): invalid JSON, or more characters than maxLength once decoded. The same bounds
+    over STRING_CHARS keep both valid."""
     if isinstance(schema, list):
         return [_safe_strings(item) for item in schema]
     if not isinstance(schema, dict):

@@ -11,8 +11,9 @@ lives in fixed device buffers indexed by the sequence's sampler slot
 Order, as vLLM's: min_tokens and logit_bias on the raw logits, then the
 repetition / frequency / presence penalties, then the grammar's token bitmask
 (SamplerState.token_bitmask: rows the runner copies in from the plan each step,
-unpacked with fixed-shape ops), then temperature, min-p, top-k, top-p. Returned logprobs (the sampled token's and the top alternatives) are
-of the raw distribution, before any of these (vLLM's default `raw_logprobs`).
+unpacked with fixed-shape ops), then temperature, min-p, top-k, top-p.
+Returned logprobs (the sampled token's and the top alternatives) are of the raw
+distribution, before any of these (vLLM's default `raw_logprobs`).
 """
 from __future__ import annotations
 
