@@ -276,7 +276,7 @@ class ChatCompletionRequest(OpenAIRequest):
         params = super().sampling_params(default_max_tokens)
         if self.max_completion_tokens is not None:
             params["max_tokens"] = self.max_completion_tokens
-        if self.parses_tool_calls and params["structured"] is None and self.parallel_tool_calls is False:
+        if self.parses_tool_calls and self.tool_choice in (None, "auto") and self.parallel_tool_calls is False:
             # auto, one call at most: generation ends with the first call (the parser takes it unterminated)
             stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
             params["stop"] = stops + [TOOL_CALL_END]
