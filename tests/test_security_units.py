@@ -204,9 +204,12 @@ def test_harmless_and_off_valued_fields_are_accepted():
     chat = oai.ChatCompletionRequest.model_validate_json(json.dumps({
         "model": "m", "messages": [{"role": "user", "content": "hi", "name": "bob"}], "metadata": {"k": "v"}}))
     assert chat.chat_messages() == [{"role": "user", "content": "hi"}]
-    with pytest.raises(ValidationError, match="tool_calls"):
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    oai.ChatCompletionRequest.model_validate_json(json.dumps({   # an assistant's earlier calls: accepted
+        "model": "m", "messages": [{"role": "assistant", "content": None, "tool_calls": [call]}]}))
+    with pytest.raises(ValidationError, match="tool_calls is only allowed on assistant messages"):
         oai.ChatCompletionRequest.model_validate_json(json.dumps({
-            "model": "m", "messages": [{"role": "assistant", "content": "", "tool_calls": []}]}))
+            "model": "m", "messages": [{"role": "user", "content": "", "tool_calls": [call]}]}))
     with pytest.raises(ValidationError, match="replace"):
         oai.LoadLoRAAdapterRequest.model_validate_json('{"lora_name": "a", "lora_path": "/a", "replace": "yes"}')
 
