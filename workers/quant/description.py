@@ -65,6 +65,7 @@ def read_quantization(path: Path, hf_config) -> W8A8Spec | None:
 
 def parse_description(description: dict) -> W8A8Spec:
     modules: set[tuple[int, str]] = set()
+    companions: dict[tuple[int, str], str] = {}   # scales, offsets, bias described W8A8_DYNAMIC
     for key, value in description.items():
         if "." not in key:
             _check_metadata(key, value)
@@ -80,7 +81,14 @@ def parse_description(description: dict) -> W8A8Spec:
             raise QuantizationError(f"{DESCRIPTION_FILE}: {key!r} is {W8A8_DYNAMIC}, but only the decoder layers' "
                                     f"q/k/v/o/gate/up/down projections are implemented quantized (embeddings, "
                                     f"norms and the LM head stay FLOAT)")
-        modules.add((int(match.group(1)), match.group(2)))
+        module = (int(match.group(1)), match.group(2))
+        if match.group(4) == "weight":
+            modules.add(module)
+        else:
+            companions[module] = key
+    for module, key in companions.items():
+        if module not in modules:
+            raise QuantizationError(f"{DESCRIPTION_FILE}: {key!r} is {W8A8_DYNAMIC} but its module's weight is not")
     model_type = description.get("model_quant_type", W8A8_DYNAMIC if modules else FLOAT)
     return W8A8Spec(frozenset(modules), model_type)
 
