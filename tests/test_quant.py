@@ -16,11 +16,10 @@ import shutil
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from ascend_quant_emulator import TorchNpuQuantEmulator
-from factories import PROMPTS, make_model
+from factories import PROMPTS
 from lora_fixtures import ADAPTERS, PeftOracle, build_adapters
 from w8a8_reference import assert_matches_reference, install_reference, w8a8_reference
 from deployments.cli import main as cli_main
@@ -142,7 +141,7 @@ def test_weights_are_int8_in_memory(quantized):
 
 # ---- the NPU kernel against a strict emulator of torch_npu's ops ------------------------------------
 
-def layers(dtype, bias):
+def layers(bias):
     tp = TPGroup()
     return {"qkv": QKVParallelLinear(64, 16, 4, 2, bias, tp), "column": ColumnParallelLinear(64, [96, 96], bias, tp),
             "row": RowParallelLinear(128, 64, bias, tp)}
@@ -173,7 +172,7 @@ def test_npu_kernel_meets_the_op_contract(dtype, kind, bias):
         with torch.device("cpu"):
             torch.set_default_dtype(dtype)
             try:
-                base = layers(dtype, bias)[kind]
+                base = layers(bias)[kind]
             finally:
                 torch.set_default_dtype(torch.float32)
         layer = W8A8Linear(base, kernel, kind)
