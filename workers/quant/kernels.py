@@ -7,11 +7,14 @@
 One kernel object per model runner, chosen once by platform (`w8a8_kernel`); each layer packs its
 weight once (`pack`) and calls it. Every op has fixed shapes and never reads the host, so decode
 graphs capture it.
-- cpu: oneDNN's int8 GEMM (`torch.ops.onednn.qlinear_pointwise` on a prepacked weight). Measured
-  against `torch._int_mm` and the weight-only `torch._weight_int8pack_mm` (benchmarks/int8_gemm.py,
-  RESULTS.md): the fastest exact one at every batch size. Its activation scale is per tensor, so
-  it is given 1.0 and returns acc * weight_scale in fp32; the per-token scale is applied after,
-  which keeps a token's result independent of the other tokens in its batch.
+- cpu: oneDNN's int8 GEMM (`torch.ops.onednn.qlinear_pointwise` on a prepacked weight), measured
+  against `torch._int_mm` (2-3x slower at M = 1, 8 and 32 on the bench model's shapes) by
+  benchmarks/int8_gemm.py (RESULTS.md: W8A8). Its activation scale is per tensor, so it is given 1.0
+  and returns acc * weight_scale in fp32; the per-token scale is applied after, which keeps a
+  token's result independent of the other tokens in its batch. The weight-only
+  `torch._weight_int8pack_mm` (bf16 x, no activation quantization) is 1.1-1.6x faster at M = 1 on
+  three of the four shapes, 2-8x slower from M = 8: not used, since switching arithmetic by batch
+  size would make a request's tokens depend on how many others share its step.
 - npu: `npu_dynamic_quant` + `npu_quant_matmul` (pertoken_scale), as vllm-ascend's W8A8_DYNAMIC
   linear; weight transposed to [in, out] once. fp16 / bf16 only; 310P has no per-token scale.
 """
