@@ -1,6 +1,6 @@
 """vLLM's CPU build on an int8 copy of the bench checkpoint, beside ours: W8A8 / bf16 decode speed each.
 
-    .venv/bin/python -m benchmarks.peer_vllm_int8 [--rounds 1]
+    .venv/bin/python -m benchmarks.peer_vllm_int8 [--rounds 1] [--threads N]
 
 vLLM does not read msModelSlim's layout on the CPU (its `ascend` quantization is vllm-ascend's), so
 the same int8 weights and scales are written as a compressed-tensors W8A8 int8 checkpoint (channel-
@@ -56,8 +56,8 @@ def compressed_tensors_copy(w8a8_dir: Path) -> Path:
     return _publish(build, cache_root() / f"{w8a8_dir.name}-compressed_tensors")
 
 
-def run(rounds: int) -> dict:
-    sizes = replace(FULL, batch=max(BATCHES), num_requests=max(BATCHES))
+def run(rounds: int, threads: int | None = None) -> dict:
+    sizes = replace(FULL, batch=max(BATCHES), num_requests=max(BATCHES), threads=threads or FULL.threads)
     float_dir = build_checkpoint("bfloat16", sizes.shape)
     w8a8 = quantized_checkpoint(float_dir)
     models = {("vllm", "bf16"): float_dir, ("vllm", "int8"): compressed_tensors_copy(w8a8),
@@ -99,5 +99,6 @@ def run(rounds: int) -> dict:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=None, help="threads of each system (default: all CPUs)")
     args = parser.parse_args()
-    print(write_result("peer_vllm_int8", run(args.rounds)))
+    print(write_result("peer_vllm_int8", run(args.rounds, args.threads)))

@@ -26,10 +26,12 @@ TINY = torch.finfo(torch.float32).tiny   # an all-zero token quantizes to zeros,
 
 
 def dynamic_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(xq int8 [T, K], scale fp32 [T, 1]): per-token symmetric quantization, computed in fp32."""
-    xf = x.float()
-    scale = xf.abs().amax(-1, keepdim=True).div(127.0).clamp_min(TINY)
-    return torch.round(xf / scale).clamp_(-127, 127).to(torch.int8), scale
+    """(xq int8 [T, K], scale fp32 [T, 1]): per-token symmetric quantization, computed in fp32.
+
+    Few passes over x (|x|, max, divide, round, cast; max |x| of a bf16 x is exact in bf16): each is a
+    parallel region, which a shared CPU makes costly. |x / scale| <= 127 by construction: no clamp."""
+    scale = x.abs().amax(-1, keepdim=True).float().div_(127.0).clamp_min_(TINY)
+    return torch.div(x, scale).round_().to(torch.int8), scale
 
 
 class CpuW8A8:
