@@ -69,7 +69,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                           help="allow /v1/load_lora_adapter and /v1/unload_lora_adapter (off by default)")
     security.add_argument("--adapter-root", action="append", default=[], metavar="DIR",
                           help="a directory hot-loaded adapters may come from; repeatable (default: any)")
+    quantize = commands.add_parser("quantize", help="write a W8A8_DYNAMIC copy of a 16/32-bit checkpoint "
+                                   "(msModelSlim's AscendV1 layout; README: Quantized models)")
+    quantize.add_argument("src", help="the float checkpoint directory")
+    quantize.add_argument("dst", help="the new directory (must not exist or be empty)")
     args = parser.parse_args(argv)
+    if args.command == "quantize":
+        return args
     if args.demo and args.model:
         parser.error("--demo and --model exclude each other")
     return args
@@ -212,6 +218,20 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.command == "serve":
         sys.exit(serve_forever(args))
+    if args.command == "quantize":
+        sys.exit(quantize_command(args))
+
+
+def quantize_command(args: argparse.Namespace) -> int:
+    from workers.quant.writer import quantize_checkpoint
+    try:
+        description = quantize_checkpoint(Path(args.src), Path(args.dst))
+    except (OSError, ValueError) as exc:
+        print(f"loraserve quantize: {exc}", file=sys.stderr)
+        return 1
+    count = sum(1 for k, v in description.items() if k.endswith(".weight") and v != "FLOAT")
+    print(f"wrote {args.dst}: {count} W8A8_DYNAMIC linears")
+    return 0
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from workers.grammar import GrammarCompiler, GrammarMatcher
 from workers.kv_cache import KVCache, blocks_needed
 from workers.models.loader import resolve_model_path
 from workers.output import RequestState
+from workers.quant.description import read_quantization
 from workers.runner import TORCH_DTYPES, RuntimeInfo
 from workers.sequence import RequestOutput, Sequence, TokenDelta
 from workers.tokenizer import check_prompt_chars, encode, max_prompt_chars
@@ -121,7 +122,7 @@ class LLMEngine:
             raise ValueError(f"the KV cache ({num_blocks - 1} usable blocks of {cfg.kv_block_size} tokens) cannot "
                              f"hold one sequence of max_model_len={max_model_len}; raise num_kv_blocks / "
                              f"kv_cache_memory_gb or lower max_model_len")
-        return RuntimeInfo(path, hf_config, dtype, max_model_len, num_blocks)
+        return RuntimeInfo(path, hf_config, dtype, max_model_len, num_blocks, read_quantization(path, hf_config))
 
     # ---- requests ----------------------------------------------------------
     def _make_sequence(self, prompt: Prompt, params: SamplingParams, adapter: str | None,

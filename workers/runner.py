@@ -27,6 +27,9 @@ from workers.models.llama import LlamaForCausalLM
 from workers.models.loader import load_weights
 from workers.parallel import TPGroup, prepack_linears
 from workers.plan import StepOutput, StepPlan
+from workers.quant.description import W8A8Spec
+from workers.quant.kernels import w8a8_kernel
+from workers.quant.w8a8_linear import finish_loading, quantize_linears
 from workers.sampler import SamplerState, SamplingTensors, sample
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -40,6 +43,7 @@ class RuntimeInfo:
     dtype: str
     max_model_len: int
     num_kv_blocks: int
+    quantization: W8A8Spec | None = None   # the checkpoint's W8A8 linears (workers/quant/description.py)
 
 
 def lora_shard(model: LlamaForCausalLM):
@@ -94,7 +98,10 @@ class ModelRunner:
                 self.model = LlamaForCausalLM(cfg, tp, runtime.max_model_len).eval()
         finally:
             torch.set_default_dtype(previous)
+        if runtime.quantization is not None:
+            quantize_linears(self.model, runtime.quantization, w8a8_kernel(platform.name, self.dtype))
         load_weights(self.model, runtime.model_path)
+        finish_loading(self.model)
         if platform.name == "cpu" and config.prepack_weights is not False:
             prepack_linears(self.model)
         attn = self.model.layers[0].self_attn

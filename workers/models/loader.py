@@ -52,25 +52,42 @@ def _target(name: str, packed: dict[str, list[str]]) -> tuple[str, int]:
     return name, 0
 
 
+# Checkpoint tensors that are safe to leave unread (recomputed here); any other unconsumed tensor is an error.
+HARMLESS_SUFFIXES = ("rotary_emb.inv_freq",)
+# what a float parameter may be read from (an int8 or fp8 tensor cast to float is garbage, not weights)
+FLOAT_STORAGE = ("F16", "BF16", "F32", "F64")
+
+
 def load_weights(model: nn.Module, path: Path) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     packed = model.packed_modules_mapping
     loaded: set[str] = set()
+    unconsumed: list[str] = []
     for file in safetensors_files(path):
         with safe_open(os.fspath(file), framework="pt") as f:
             for name in f.keys():
                 target, shard = _target(name, packed)
                 if target not in params:
-                    continue  # e.g. rotary inv_freq buffers in old checkpoints
+                    if not name.endswith(HARMLESS_SUFFIXES):
+                        unconsumed.append(name)
+                    continue
                 param = params[target]
                 owner = model.get_submodule(target.rsplit(".", 1)[0])
                 tensor_slice = f.get_slice(name)
+                if param.is_floating_point() and tensor_slice.get_dtype() not in FLOAT_STORAGE:
+                    raise ValueError(f"checkpoint tensor {name!r} is {tensor_slice.get_dtype()}, but the model "
+                                     f"reads it as float: a quantized checkpoint needs its description (README: "
+                                     f"Quantized models)")
                 with torch.no_grad():
                     if hasattr(owner, "weight_loader"):
                         owner.weight_loader(param, tensor_slice, shard)
                     else:
                         param.data.copy_(tensor_slice[:])
                 loaded.add(target)
+    if unconsumed:
+        raise ValueError(f"checkpoint {str(path)!r} has tensors the model does not use (a quantization or a "
+                         f"module loraserve does not implement): {unconsumed[:8]}"
+                         + (f" and {len(unconsumed) - 8} more" if len(unconsumed) > 8 else ""))
     tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
     missing = set(params) - loaded - tied
     if missing:
