@@ -25,6 +25,7 @@ from workers.graph_runner import GraphRunner
 from workers.kv_cache import KVCache, blocks_needed
 from workers.models.llama import LlamaForCausalLM
 from workers.models.loader import load_weights
+from workers.models.registry import model_class
 from workers.parallel import TPGroup, prepack_linears
 from workers.plan import StepOutput, StepPlan
 from workers.sampler import SamplerState, SamplingTensors, sample
@@ -91,7 +92,7 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(device):
-                self.model = LlamaForCausalLM(cfg, tp, runtime.max_model_len).eval()
+                self.model = model_class(cfg)(cfg, tp, runtime.max_model_len).eval()
         finally:
             torch.set_default_dtype(previous)
         load_weights(self.model, runtime.model_path)
