@@ -14,7 +14,8 @@ import torch
 from lora.adapter import LoRAAdapter
 from lora.backends import get_backend
 from lora.layers import wrap_model
-from lora.modules import MODULE_GROUPS, PACKED_MODULES
+from lora.expert_layers import wrap_experts
+from lora.modules import EXPERT_GROUPS, MODULE_GROUPS, PACKED_MODULES
 from lora.slots import GroupShape, SlotPool
 from lora.transfer import to_device
 from workers.adapters import display_name
@@ -52,26 +53,31 @@ def lora_shard(model: LlamaForCausalLM):
     embed_tokens: both replicated, the delta is added after the embedding's all-reduce.
     The LM head's shard has padding rows (past the vocabulary, or up to a multiple of 16),
     zero like the base's, so even one rank needs this. Which module is cut how is
-    lora/modules.py's table; every layer has layer 0's shapes.
+    lora/modules.py's table; every layer that has a module has the first one's shapes.
+    MoE experts are cut the same way on their last two dims (a [E, r, in], b [E, out, r]).
     """
-    first, lm_head = model.layers[0], model.lm_head
+    lm_head = model.lm_head
     column, row = {}, {}
     for group in PACKED_MODULES:
-        if group.parallel == "column":
-            column.update({m: (first.get_submodule(group.path), s) for s, m in enumerate(group.modules)})
-        elif group.parallel == "row":
-            row.update({m: first.get_submodule(group.path) for m in group.modules})
+        layers = layers_with(model, group.path)
+        if not layers:
+            continue
+        first = model.layers[layers[0]].get_submodule(group.path)
+        if group.parallel in ("column", "expert_column"):
+            column.update({m: (first, s) for s, m in enumerate(group.modules)})
+        elif group.parallel in ("row", "expert_row"):
+            row.update({m: first for m in group.modules})
 
     def shard(module: str, weights) -> tuple[torch.Tensor, torch.Tensor]:
         a, b = weights.lora_a, weights.lora_b
         if module in column:
             layer, index = column[module]
             start, size = layer.shard_range(index)
-            return a, b[start:start + size]
+            return a, b[..., start:start + size, :]
         if module in row:
             n = row[module].in_features
             start = row[module].tp.rank * n
-            return a[:, start:start + n], b
+            return a[..., start:start + n], b
         if module == "lm_head":
             local = b.new_zeros(lm_head.shard_size, b.shape[1])
             rows = b[lm_head.vocab_start:lm_head.vocab_start + lm_head.shard_size]
@@ -80,6 +86,20 @@ def lora_shard(model: LlamaForCausalLM):
         return a, b
 
     return shard
+
+
+def layers_with(model, path: str | None) -> list[int]:
+    """The decoder layers that have the module at `path` (MoE: experts in sparse layers, MLPs in dense ones)."""
+    if path is None:
+        return []
+    found = []
+    for i, layer in enumerate(model.layers):
+        try:
+            layer.get_submodule(path)
+        except AttributeError:
+            continue
+        found.append(i)
+    return found
 
 
 class ModelRunner:
@@ -113,7 +133,7 @@ class ModelRunner:
                                         lora_backend=self.lora_backend)
 
     def _init_lora(self) -> SlotPool:
-        cfg, first = self.runtime.hf_config, self.model.layers[0]
+        cfg = self.runtime.hf_config
         wanted = {MODULE_GROUPS[module][0] for module in self.config.lora_target_modules}
         groups = {}
         for group in PACKED_MODULES:
@@ -123,14 +143,16 @@ class ModelRunner:
                 groups[group.name] = GroupShape(cfg.vocab_size, (cfg.hidden_size,))
             elif group.parallel == "lm_head":
                 groups[group.name] = GroupShape(cfg.hidden_size, (self.model.lm_head.shard_size,))
-            else:                                  # this rank's in_features (row) / out_sizes (column)
-                base = first.get_submodule(group.path)
-                groups[group.name] = GroupShape(base.in_features, tuple(base.out_sizes))
+            elif layers := layers_with(self.model, group.path):   # this rank's in_features / out_sizes
+                base = self.model.layers[layers[0]].get_submodule(group.path)
+                experts = base.num_experts if group.name in EXPERT_GROUPS else 0
+                groups[group.name] = GroupShape(base.in_features, tuple(base.out_sizes), tuple(layers), experts)
         pool = SlotPool(cfg.num_hidden_layers, groups, self.config.max_loras_per_batch, self.config.max_lora_rank,
                         self.dtype, self.device, shard=lora_shard(self.model))
         # chosen once (the Ascend kernels' probe runs here); each layer's ops are bound by it below
         self.lora_backend = get_backend(self.config.lora_backend, self.device, self.dtype, self.config.max_lora_rank)
         wrap_model(self.model, pool.buffers, self.lora_backend)
+        wrap_experts(self.model, pool.buffers, self.lora_backend, pool.expert_ranks)
         return pool
 
     @torch.inference_mode()

@@ -43,15 +43,13 @@ def is_sparse_layer(cfg, index: int) -> bool:
 class ExpertRows:
     """The block's (token, choice) rows and where each expert's are.
 
-    Eager: rows sorted by expert (then by LoRA slot, so each (slot, expert) pair is one run),
-    `expert_runs` lists (expert, start, end) of the active experts (read back once per layer).
+    Eager: rows sorted by expert (stable: by token within one), `expert_runs` lists (expert, start, end) of the active experts (read back once per layer).
     Graph-safe: rows in (token, choice) order, `expert_runs` is None and each expert's rows are
     found by mask on the device."""
     token: torch.Tensor            # [N] the token each row belongs to
     expert: torch.Tensor           # [N]
     weight: torch.Tensor           # [N] routing weight, the model's dtype
     expert_runs: tuple[tuple[int, int, int], ...] | None
-    lora: object = None            # the rows' LoRA batch info (lora/expert_layers.py), None without LoRA
 
 
 class Router(nn.Module):
@@ -104,6 +102,20 @@ class GroupedLinear(nn.Module):
                 param.data[expert, which * n:(which + 1) * n].copy_(_narrow(tensor_slice, 0, start, n))
         self.loaded.add("fused" if shard is None else shard)
 
+    @property
+    def num_experts(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def out_sizes(self) -> list[int]:
+        """This rank's output features per stacked slice (gate, up), as ColumnParallelLinear's."""
+        return [self.out_features // 2] * 2 if self.parallel == "column" else [self.out_features]
+
+    def shard_range(self, shard: int) -> tuple[int, int]:
+        """(start, size) of this rank's rows within full per-expert slice `shard` (column cut)."""
+        n = self.out_sizes[shard]
+        return self.tp.rank * n, n
+
     def missing(self) -> list:
         """Per-expert pieces a per-expert checkpoint did not have (nothing when a fused key was read)."""
         if "fused" in self.loaded:
@@ -149,23 +161,19 @@ class MoeExperts(nn.Module):
         out = y.new_zeros(num_tokens, y.shape[1])
         return out.index_add_(0, rows.token, y * rows.weight.unsqueeze(1))
 
-    def forward(self, x: torch.Tensor, rows: ExpertRows) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rows: ExpertRows, lora=None) -> torch.Tensor:
         xs = x[rows.token]
         return self.combine(self.down(self.act(self.gate_up(xs, rows)), rows), rows, x.shape[0])
 
 
-def group_rows(weights: torch.Tensor, ids: torch.Tensor, num_experts: int, graph_safe: bool,
-               row_slots: torch.Tensor | None = None, num_slots: int = 0) -> ExpertRows:
-    """The (token, choice) rows of a step: grouped by expert (and LoRA slot) eagerly, as they are when graph-safe.
-
-    row_slots [T] (optional): each token's LoRA slot (-1 base); rows are then ordered by (expert, slot)."""
+def group_rows(weights: torch.Tensor, ids: torch.Tensor, num_experts: int, graph_safe: bool) -> ExpertRows:
+    """The (token, choice) rows of a step: grouped by expert eagerly, as they are when graph-safe."""
     T, k = ids.shape
     token = torch.arange(T, device=ids.device).repeat_interleave(k)
     expert, weight = ids.reshape(-1), weights.reshape(-1)
     if graph_safe:
         return ExpertRows(token, expert, weight, None)
-    key = expert if row_slots is None else expert * (num_slots + 1) + row_slots[token] + 1
-    order = torch.argsort(key, stable=True)
+    order = torch.argsort(expert, stable=True)
     counts = torch.bincount(expert, minlength=num_experts).tolist()   # the one read back of the layer
     runs, start = [], 0
     for e, n in enumerate(counts):
@@ -185,7 +193,7 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         weights, ids = self.gate(x)
         rows = group_rows(weights, ids, self.experts.num_experts, batch.graph_safe or self._graph_lora(batch))
-        return self.tp.all_reduce(self.experts(x, rows))
+        return self.tp.all_reduce(self.experts(x, rows, batch.lora))
 
     @staticmethod
     def _graph_lora(batch: ForwardBatch) -> bool:
