@@ -54,12 +54,12 @@ def make_moe_model(path: Path, seed: int = 0, fused: bool = False, **overrides) 
 
 
 def make_expert_adapter(model_path: Path, out: Path, *, r: int = 4, alpha: int = 8, target_modules=(),
-                        seed: int = 0, **lora_kwargs) -> Path:
+                        seed: int = 0, parameters=tuple(EXPERT_PARAMETERS), **lora_kwargs) -> Path:
     """A PEFT 0.21 adapter with `target_parameters` on every sparse layer's fused experts (+ target_modules)."""
     from factories import make_adapter
 
     return make_adapter(model_path, out, r=r, alpha=alpha, target_modules=list(target_modules), seed=seed,
-                        target_parameters=EXPERT_PARAMETERS, **lora_kwargs)
+                        target_parameters=list(parameters), **lora_kwargs)
 
 
 def write_per_expert_adapter(model_path: Path, out: Path, *, r: int = 4, alpha: int = 8, seed: int = 0,
