@@ -5,6 +5,7 @@ A pure decode step goes through the GraphRunner (captured on CUDA / NPU); every 
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -13,8 +14,9 @@ import torch
 
 from lora.adapter import LoRAAdapter
 from lora.backends import get_backend
-from lora.layers import wrap_model
 from lora.expert_layers import wrap_experts
+from lora.expert_memory import check_expert_slots, free_memory
+from lora.layers import wrap_model
 from lora.modules import EXPERT_GROUPS, MODULE_GROUPS, PACKED_MODULES
 from lora.slots import GroupShape, SlotPool
 from lora.transfer import to_device
@@ -31,6 +33,7 @@ from workers.parallel import TPGroup, prepack_linears
 from workers.plan import StepOutput, StepPlan
 from workers.sampler import SamplerState, SamplingTensors, sample
 
+log = logging.getLogger(__name__)
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -147,6 +150,7 @@ class ModelRunner:
                 base = self.model.layers[layers[0]].get_submodule(group.path)
                 experts = base.num_experts if group.name in EXPERT_GROUPS else 0
                 groups[group.name] = GroupShape(base.in_features, tuple(base.out_sizes), tuple(layers), experts)
+        self._check_expert_slots(groups)
         pool = SlotPool(cfg.num_hidden_layers, groups, self.config.max_loras_per_batch, self.config.max_lora_rank,
                         self.dtype, self.device, shard=lora_shard(self.model))
         # chosen once (the Ascend kernels' probe runs here); each layer's ops are bound by it below
@@ -154,6 +158,16 @@ class ModelRunner:
         wrap_model(self.model, pool.buffers, self.lora_backend)
         wrap_experts(self.model, pool.buffers, self.lora_backend, pool.expert_ranks)
         return pool
+
+    def _check_expert_slots(self, groups: dict) -> None:
+        """MoE: the expert slots' memory, said once at start-up (rank 0); refused before allocation if too big."""
+        gb = self.config.expert_lora_memory_gb
+        budget, source = (int(gb * 2 ** 30), "expert_lora_memory_gb") if gb is not None else \
+            (free_memory(self.device), f"free on {self.device.type}")
+        report = check_expert_slots(groups, self.runtime.hf_config.num_hidden_layers, self.config.max_loras_per_batch,
+                                    self.config.max_lora_rank, self.dtype, budget, source)
+        if report and self.tp.rank == 0:
+            log.info(report)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
