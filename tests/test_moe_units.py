@@ -169,3 +169,30 @@ def test_expert_slot_memory_is_said_and_a_config_that_does_not_fit_is_refused(mo
     no_experts = ("q_proj", "k_proj", "v_proj", "o_proj")      # attention only: no expert slot at all
     LLMEngine(EngineConfig(model=str(model), device="cpu", dtype="float32", max_lora_rank=16,
                            lora_target_modules=no_experts, expert_lora_memory_gb=0)).close()
+
+
+def test_expert_slots_hold_every_expert_at_combined_indices_and_clear_to_zero():
+    from lora.adapter import LoRAAdapter
+    from lora.slots import SlotPool
+
+    E, H, I, R = 4, 16, 8, 4
+    groups = {"experts_gate_up": GroupShape(H, (I, I), (1,), E), "experts_down": GroupShape(I, (H,), (1,), E),
+              "o_proj": GroupShape(H, (H,))}
+    pool = SlotPool(2, groups, num_slots=3, max_rank=R, dtype=torch.float32, device="cpu")
+    assert set(pool.buffers) == {(1, "experts_gate_up"), (1, "experts_down"), (0, "o_proj"), (1, "o_proj")}
+    gen = torch.Generator().manual_seed(0)
+    w = {(1, m): LoRAWeights(torch.randn(E, 2, i, generator=gen), torch.randn(E, o, 2, generator=gen), 0.5)
+         for m, (i, o) in {"experts.gate_proj": (H, I), "experts.up_proj": (H, I), "experts.down_proj": (I, H)}.items()}
+    adapter = LoRAAdapter("a", "src", 2, frozenset(m for _, m in w), w)
+    pool.load(2, adapter)
+    a, (b_gate, b_up) = pool.buffers[(1, "experts_gate_up")]
+    assert a.shape == (3 * E, 2 * R, H) and b_up.shape == (3 * E, I, R)
+    for e in range(E):
+        assert torch.equal(a[2 * E + e, R:R + 2], w[1, "experts.up_proj"].lora_a[e])      # slice 1 at row R
+        assert torch.equal(b_up[2 * E + e, :, :2], 0.5 * w[1, "experts.up_proj"].lora_b[e])
+    assert not a[:2 * E].any() and not a[2 * E:, 2:R].any() and not b_up[2 * E:, :, 2:].any()
+    assert pool.expert_ranks == [0, 0, 2] and pool.slot_ranks == [0, 0, 2]
+    with pytest.raises(ValueError, match="invalid layer 0"):
+        pool.load(1, LoRAAdapter("b", "src", 2, frozenset(), {(0, "experts.down_proj"): w[1, "experts.down_proj"]}))
+    pool.clear(2)
+    assert not any(t.any() for a, bs in pool.buffers.values() for t in (a, *bs)) and pool.expert_ranks == [0, 0, 0]
