@@ -59,7 +59,8 @@ class MoeExpertsLoRA(nn.Module):
         E = self.base.num_experts
         if lora.use_graph:   # on the device, fixed shapes: an index per row, -1 for base rows
             slots = lora.token_slots[rows.token]
-            combined = torch.where(slots >= 0, slots * E + rows.expert, -1)
+            # in the index dtype the backend gave the token slots (the Ascend contract's)
+            combined = torch.where(slots >= 0, slots * E + rows.expert.to(slots.dtype), -1).to(slots.dtype)
             return self.backend.graph_info(combined)
         slots = torch.tensor(lora.token_slots_host, dtype=torch.int64)[rows.token.cpu()]
         combined = torch.where(slots >= 0, slots * E + rows.expert.cpu(), -1).tolist()
