@@ -121,6 +121,8 @@ class ModelRunner:
         load_weights(self.model, runtime.model_path)
         if platform.name == "cpu" and config.prepack_weights is not False:
             prepack_linears(self.model)
+            if hasattr(self.model, "prepack_experts"):
+                self.model.prepack_experts()
         attn = self.model.layers[0].self_attn
         self.kv_cache = KVCache(cfg.num_hidden_layers, runtime.num_kv_blocks, config.kv_block_size,
                                 attn.num_kv_heads, attn.head_dim, self.dtype, device)
