@@ -42,14 +42,14 @@ def check_expert_slots(groups: dict, num_layers: int, num_slots: int, max_rank: 
         return None
     gb = 2 ** 30
     need = per_slot * num_slots
-    report = (f"expert LoRA slots: {num_slots} x {per_slot / gb:.3f} GB = {need / gb:.3f} GB "
+    report = (f"expert LoRA slots (max_expert_loras): {num_slots} x {per_slot / gb:.3f} GB = {need / gb:.3f} GB "
               f"(max_lora_rank {max_rank}, {str(dtype).removeprefix('torch.')}, this rank's cut), "
               f"{budget_source} {budget / gb:.3f} GB")
     if need <= budget:
         return report
     slots = budget // per_slot
     rank = budget // (num_slots * (per_slot // max_rank))
-    options = [f"max_loras_per_batch <= {slots}" if slots else None,
+    options = [f"max_expert_loras <= {slots}" if slots else None,
                f"max_lora_rank <= {rank}" if rank else None,
                "lora_target_modules without experts.gate_proj / experts.up_proj / experts.down_proj"]
     raise ValueError(f"{report}: the expert LoRA slots do not fit; what would: "

@@ -99,8 +99,10 @@ class SlotPool:
         a [L, vocab, R]          lora_a.T (PEFT's lora_embedding_A is [r, vocab])
         b (1 tensor)             [L, hidden, R]
     Per layer for the linear groups; once, at layer -1, for embed_tokens / lm_head.
-    Expert groups (MoE) hold E blocks per slot: a [L*E, stack*R, in], b[s] [L*E, out, R],
-    slot l's expert e at index l*E + e, the one combined index the ops read per row.
+    Expert groups (MoE) have their own, fewer slots (`num_expert_slots`, M): only adapters with
+    expert weights take one, at load, beside their slot (`expert_slot_of[slot]`, -1 for none).
+    They hold E blocks per expert slot: a [M*E, stack*R, in], b[s] [M*E, out, R], expert slot
+    m's expert e at index m*E + e, the one combined index the ops read per row.
     The scaling is folded into b, and every row / column a slot's adapter does
     not use is zero, so a kernel that computes all R ranks (or an empty slot)
     adds exactly the adapter's delta (or zero).
@@ -112,7 +114,8 @@ class SlotPool:
 
     def __init__(self, num_layers: int, groups: dict[str, GroupShape], num_slots: int, max_rank: int,
                  dtype: torch.dtype, device: torch.device | str,
-                 shard: Callable[[str, LoRAWeights], tuple[torch.Tensor, torch.Tensor]] | None = None):
+                 shard: Callable[[str, LoRAWeights], tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 num_expert_slots: int | None = None):
         assert num_slots >= 1 and max_rank >= 1, (num_slots, max_rank)
         for group, shape in groups.items():
             if group not in GROUPS:
@@ -124,8 +127,12 @@ class SlotPool:
         self.num_slots, self.max_rank = num_slots, max_rank
         self.dtype, self.device = dtype, torch.device(device)
         self.shard = shard or _no_shard
+        self.num_expert_slots = num_slots if num_expert_slots is None else num_expert_slots
         self.slot_ranks: list[int] = [0] * num_slots
-        self.expert_ranks: list[int] = [0] * num_slots   # rank of the slot's expert LoRA, 0 = none
+        self.expert_ranks: list[int] = [0] * self.num_expert_slots   # by expert slot: its rank, 0 = empty
+        # slot -> its adapter's expert slot (-1: none); the device copy is what a captured decode reads
+        self.expert_slot_of: list[int] = [-1] * num_slots
+        self.expert_slot_of_device = torch.full((num_slots,), -1, dtype=torch.int64, device=self.device)
         self.buffers: dict[tuple[int, str], tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = {}
         for group, shape in self.groups.items():
             for layer in self._layers(group):
@@ -138,12 +145,12 @@ class SlotPool:
         return range(self.num_layers) if layers is None else layers
 
     def _index(self, group: str, slot: int) -> int | slice:
-        """Slot `slot`'s block of a buffer: one index, or its E rows in an expert group."""
+        """A slot's block of a buffer: one index, or in an expert group the E rows of expert slot `slot`."""
         E = self.groups[group].experts
         return slice(slot * E, (slot + 1) * E) if E else slot
 
     def _allocate(self, group: str, shape: GroupShape):
-        L, R = self.num_slots * max(1, shape.experts), self.max_rank
+        L, R = (self.num_expert_slots * shape.experts if shape.experts else self.num_slots), self.max_rank
         if group == "embed_tokens":
             a = torch.zeros(L, shape.in_dim, R, dtype=self.dtype, device=self.device)
         else:
@@ -151,8 +158,9 @@ class SlotPool:
         return a, tuple(torch.zeros(L, out, R, dtype=self.dtype, device=self.device)
                         for out in shape.out_dims)
 
-    def load(self, slot: int, adapter: LoRAAdapter) -> None:
-        """Copy `adapter` into `slot` in place; everything it does not use becomes zero.
+    def load(self, slot: int, adapter: LoRAAdapter, expert_slot: int | None = None) -> None:
+        """Copy `adapter` into `slot` (its expert weights into `expert_slot`) in place; everything it does not
+        use becomes zero. An adapter without expert weights leaves the expert slots alone.
 
         Everything is checked (ValueError) before the slot is touched.
         """
@@ -161,11 +169,17 @@ class SlotPool:
             raise ValueError(
                 f"adapter {adapter.name!r}: rank {adapter.rank} > max_lora_rank {self.max_rank}")
         pieces = [self._prepare(adapter.name, key, weights) for key, weights in adapter.weights.items()]
+        has_experts = any(self.groups[group].experts for (_, group, _), _, _, _ in pieces)
+        if has_experts and not (expert_slot is not None and 0 <= expert_slot < self.num_expert_slots):
+            raise ValueError(f"adapter {adapter.name!r} has expert weights: it needs an expert slot in "
+                             f"[0, {self.num_expert_slots}), got {expert_slot}")
         # Zero only what the pieces leave: a slice they fill at full rank needs no clearing (with
         # every module at max rank, nothing); this and the copies below run on the step's thread.
         full = {key for key, a, _, _ in pieces if a.shape[-2] == self.max_rank}
         for (layer, group), (buf_a, buf_b) in self.buffers.items():
-            index = self._index(group, slot)
+            if self.groups[group].experts and not has_experts:
+                continue
+            index = self._index(group, expert_slot if self.groups[group].experts else slot)
             for s, b_s in enumerate(buf_b):
                 if (layer, group, s) not in full:
                     self._slice(buf_a, group, index, s).zero_()
@@ -174,7 +188,7 @@ class SlotPool:
             # the host copies onto the slot's device first: no op may mix host and device tensors
             a, b, r = to_device(a, self.device), to_device(b, self.device), a.shape[-2]
             buf_a, buf_b = self.buffers[(layer, group)]
-            index = self._index(group, slot)
+            index = self._index(group, expert_slot if self.groups[group].experts else slot)
             if group == "embed_tokens":
                 buf_a[slot, :, :r].copy_(a.T)
             else:
@@ -182,8 +196,14 @@ class SlotPool:
             # scaled in fp32 and rounded once, straight into the slot (no temporary)
             torch.mul(b.float(), scaling, out=buf_b[s][index, :, :r])
         self.slot_ranks[slot] = adapter.rank
-        self.expert_ranks[slot] = max((a.shape[-2] for (_, group, _), a, _, _ in pieces
-                                       if self.groups[group].experts), default=0)
+        self._map_expert_slot(slot, expert_slot if has_experts else -1)
+        if has_experts:
+            self.expert_ranks[expert_slot] = max(a.shape[-2] for (_, group, _), a, _, _ in pieces
+                                                 if self.groups[group].experts)
+
+    def _map_expert_slot(self, slot: int, expert_slot: int) -> None:
+        self.expert_slot_of[slot] = expert_slot
+        self.expert_slot_of_device[slot] = expert_slot   # a scalar write in place: graphs keep reading it
 
     def _slice(self, buf_a: torch.Tensor, group: str, index: int | slice, s: int) -> torch.Tensor:
         """A slot's (`index`, see _index) slice `s` of an A buffer (embed_tokens: the whole [vocab, R] block)."""
@@ -215,12 +235,18 @@ class SlotPool:
     def clear(self, slot: int) -> None:
         """Zero the slot (rank 0): an empty slot adds exactly zero."""
         self._check_slot(slot)
+        expert_slot = self.expert_slot_of[slot]
         for (_, group), (a, bs) in self.buffers.items():
-            index = self._index(group, slot)
+            if self.groups[group].experts and expert_slot < 0:
+                continue
+            index = self._index(group, expert_slot if self.groups[group].experts else slot)
             a[index].zero_()
             for b in bs:
                 b[index].zero_()
-        self.slot_ranks[slot] = self.expert_ranks[slot] = 0
+        if expert_slot >= 0:
+            self.expert_ranks[expert_slot] = 0
+        self.slot_ranks[slot] = 0
+        self._map_expert_slot(slot, -1)
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.num_slots:

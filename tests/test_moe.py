@@ -83,7 +83,8 @@ def test_base_matches_hf(tmp_path, hf_model, layout):
 
 
 @pytest.mark.parametrize("options", [dict(), dict(lora_backend="torch_native"), dict(emulate_capture=True),
-                                     dict(max_loras_per_batch=2, max_loaded_loras=3)])
+                                     dict(max_loras_per_batch=2, max_loaded_loras=3), dict(max_expert_loras=1),
+                                     dict(max_expert_loras=1, emulate_capture=True)])
 def test_mixed_batch_matches_hf_and_peft(moe, options):
     """Base, attention-only, target_parameters experts, per-expert 2-D and dense-MLP adapters in one batch."""
     path, adapters, expected = moe
@@ -94,6 +95,9 @@ def test_mixed_batch_matches_hf_and_peft(moe, options):
             assert engine.executor.runner.graph_runner.graphs, "no decode graph was captured"
         if "max_loaded_loras" in options:
             assert engine.stats()["lora"]["slots"]["evictions"] > 0, "slot eviction never happened"
+        if "max_expert_loras" in options:   # two adapters with experts share one expert slot; the others need none
+            slots = engine.stats()["lora"]["expert_slots"]
+            assert slots["num_slots"] == 1 and slots["evictions"] > 0, slots
     finally:
         engine.close()
 

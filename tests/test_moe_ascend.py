@@ -44,13 +44,13 @@ def make_pool(seed: int = 0) -> SlotPool:
                                        torch.randn(E, o, rank, generator=gen) * 0.2, 1.5)
                    for m, (i, o) in {"experts.gate_proj": (H, I), "experts.up_proj": (H, I),
                                      "experts.down_proj": (I, H)}.items()}
-        pool.load(slot, LoRAAdapter(f"a{slot}", "src", rank, frozenset(m for _, m in weights), weights))
+        pool.load(slot, LoRAAdapter(f"a{slot}", "src", rank, frozenset(m for _, m in weights), weights), slot)
     return pool
 
 
 def wrapped_block(block, pool, backend):
     model = SimpleNamespace(layers=[SimpleNamespace(mlp=copy.deepcopy(block))])
-    assert wrap_experts(model, pool.buffers, backend, pool.expert_ranks) == 1
+    assert wrap_experts(model, backend, pool) == 1
     assert isinstance(model.layers[0].mlp.experts, MoeExpertsLoRA)
     return model.layers[0].mlp
 

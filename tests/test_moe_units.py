@@ -157,15 +157,17 @@ def test_expert_slot_memory_is_said_and_a_config_that_does_not_fit_is_refused(mo
     groups = {"experts_gate_up": GroupShape(64, (24, 24), (0, 2), 8), "experts_down": GroupShape(24, (64,), (0, 2), 8)}
     per_slot = 2 * 8 * 16 * (2 * 64 + 48 + 24 + 64) * 4      # layers x experts x R x (A + B) x fp32
     report = check_expert_slots(groups, 3, 4, 16, torch.float32, 4 * per_slot, "budget")
-    assert report.startswith(f"expert LoRA slots: 4 x {per_slot / 2 ** 30:.3f} GB")
-    with pytest.raises(ValueError, match=r"do not fit; what would: max_loras_per_batch <= 2, or max_lora_rank <= 8"):
+    assert report.startswith(f"expert LoRA slots (max_expert_loras): 4 x {per_slot / 2 ** 30:.3f} GB")
+    with pytest.raises(ValueError, match=r"do not fit; what would: max_expert_loras <= 2, or max_lora_rank <= 8"):
         check_expert_slots(groups, 3, 4, 16, torch.float32, 2 * per_slot, "budget")
     with caplog.at_level(logging.INFO, logger="workers.runner"):
         LLMEngine(EngineConfig(model=str(model), device="cpu", dtype="float32", max_lora_rank=16)).close()
-    assert "expert LoRA slots: 4 x" in caplog.text
-    with pytest.raises(ValueError, match="expert_lora_memory_gb .* do not fit; what would: max_loras_per_batch <= 1"):
+    assert "expert LoRA slots (max_expert_loras): 4 x" in caplog.text
+    with pytest.raises(ValueError, match="expert_lora_memory_gb .* do not fit; what would: max_expert_loras <= 1"):
         LLMEngine(EngineConfig(model=str(model), device="cpu", dtype="float32", max_lora_rank=16,
                                expert_lora_memory_gb=1.5 * per_slot / 2 ** 30))
+    LLMEngine(EngineConfig(model=str(model), device="cpu", dtype="float32", max_lora_rank=16, max_expert_loras=1,
+                           expert_lora_memory_gb=1.5 * per_slot / 2 ** 30)).close()   # what the message said
     no_experts = ("q_proj", "k_proj", "v_proj", "o_proj")      # attention only: no expert slot at all
     LLMEngine(EngineConfig(model=str(model), device="cpu", dtype="float32", max_lora_rank=16,
                            lora_target_modules=no_experts, expert_lora_memory_gb=0)).close()
@@ -178,21 +180,29 @@ def test_expert_slots_hold_every_expert_at_combined_indices_and_clear_to_zero():
     E, H, I, R = 4, 16, 8, 4
     groups = {"experts_gate_up": GroupShape(H, (I, I), (1,), E), "experts_down": GroupShape(I, (H,), (1,), E),
               "o_proj": GroupShape(H, (H,))}
-    pool = SlotPool(2, groups, num_slots=3, max_rank=R, dtype=torch.float32, device="cpu")
+    pool = SlotPool(2, groups, num_slots=3, max_rank=R, dtype=torch.float32, device="cpu", num_expert_slots=2)
     assert set(pool.buffers) == {(1, "experts_gate_up"), (1, "experts_down"), (0, "o_proj"), (1, "o_proj")}
     gen = torch.Generator().manual_seed(0)
     w = {(1, m): LoRAWeights(torch.randn(E, 2, i, generator=gen), torch.randn(E, o, 2, generator=gen), 0.5)
          for m, (i, o) in {"experts.gate_proj": (H, I), "experts.up_proj": (H, I), "experts.down_proj": (I, H)}.items()}
     adapter = LoRAAdapter("a", "src", 2, frozenset(m for _, m in w), w)
-    pool.load(2, adapter)
+    with pytest.raises(ValueError, match="needs an expert slot in \\[0, 2\\), got None"):
+        pool.load(2, adapter)
+    pool.load(2, adapter, expert_slot=1)
     a, (b_gate, b_up) = pool.buffers[(1, "experts_gate_up")]
-    assert a.shape == (3 * E, 2 * R, H) and b_up.shape == (3 * E, I, R)
+    assert a.shape == (2 * E, 2 * R, H) and b_up.shape == (2 * E, I, R)   # two expert slots of E blocks
     for e in range(E):
-        assert torch.equal(a[2 * E + e, R:R + 2], w[1, "experts.up_proj"].lora_a[e])      # slice 1 at row R
-        assert torch.equal(b_up[2 * E + e, :, :2], 0.5 * w[1, "experts.up_proj"].lora_b[e])
-    assert not a[:2 * E].any() and not a[2 * E:, 2:R].any() and not b_up[2 * E:, :, 2:].any()
-    assert pool.expert_ranks == [0, 0, 2] and pool.slot_ranks == [0, 0, 2]
+        assert torch.equal(a[E + e, R:R + 2], w[1, "experts.up_proj"].lora_a[e])      # slice 1 at row R
+        assert torch.equal(b_up[E + e, :, :2], 0.5 * w[1, "experts.up_proj"].lora_b[e])
+    assert not a[:E].any() and not a[E:, 2:R].any() and not b_up[E:, :, 2:].any()
+    assert pool.expert_ranks == [0, 2] and pool.slot_ranks == [0, 0, 2] and pool.expert_slot_of == [-1, -1, 1]
+    assert pool.expert_slot_of_device.tolist() == [-1, -1, 1]
+    o = LoRAWeights(torch.randn(2, H, generator=gen), torch.randn(H, 2, generator=gen), 1.0)
+    pool.load(0, LoRAAdapter("b", "src", 2, frozenset({"o_proj"}), {(0, "o_proj"): o}))   # no experts: no expert slot
+    assert pool.expert_slot_of == [-1, -1, 1] and torch.equal(a[E, R:R + 2], w[1, "experts.up_proj"].lora_a[0])
     with pytest.raises(ValueError, match="invalid layer 0"):
-        pool.load(1, LoRAAdapter("b", "src", 2, frozenset(), {(0, "experts.down_proj"): w[1, "experts.down_proj"]}))
+        pool.load(1, LoRAAdapter("c", "src", 2, frozenset(), {(0, "experts.down_proj"): w[1, "experts.down_proj"]}), 0)
     pool.clear(2)
-    assert not any(t.any() for a, bs in pool.buffers.values() for t in (a, *bs)) and pool.expert_ranks == [0, 0, 0]
+    pool.clear(0)
+    assert not any(t.any() for a, bs in pool.buffers.values() for t in (a, *bs)) and pool.expert_ranks == [0, 0]
+    assert pool.expert_slot_of == [-1, -1, -1]

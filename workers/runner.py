@@ -154,11 +154,12 @@ class ModelRunner:
                 groups[group.name] = GroupShape(base.in_features, tuple(base.out_sizes), tuple(layers), experts)
         self._check_expert_slots(groups)
         pool = SlotPool(cfg.num_hidden_layers, groups, self.config.max_loras_per_batch, self.config.max_lora_rank,
-                        self.dtype, self.device, shard=lora_shard(self.model))
+                        self.dtype, self.device, shard=lora_shard(self.model),
+                        num_expert_slots=self.config.num_expert_loras)
         # chosen once (the Ascend kernels' probe runs here); each layer's ops are bound by it below
         self.lora_backend = get_backend(self.config.lora_backend, self.device, self.dtype, self.config.max_lora_rank)
         wrap_model(self.model, pool.buffers, self.lora_backend)
-        wrap_experts(self.model, pool.buffers, self.lora_backend, pool.expert_ranks)
+        wrap_experts(self.model, self.lora_backend, pool)
         return pool
 
     def _check_expert_slots(self, groups: dict) -> None:
@@ -166,7 +167,7 @@ class ModelRunner:
         gb = self.config.expert_lora_memory_gb
         budget, source = (int(gb * 2 ** 30), "expert_lora_memory_gb") if gb is not None else \
             (free_memory(self.device), f"free on {self.device.type}")
-        report = check_expert_slots(groups, self.runtime.hf_config.num_hidden_layers, self.config.max_loras_per_batch,
+        report = check_expert_slots(groups, self.runtime.hf_config.num_hidden_layers, self.config.num_expert_loras,
                                     self.config.max_lora_rank, self.dtype, budget, source)
         if report and self.tp.rank == 0:
             log.info(report)
@@ -200,7 +201,7 @@ class ModelRunner:
         failed = {}
         for slot, name, source, load_id in plan.lora_loads:
             try:
-                self.slot_pool.load(slot, self.get_adapter(name, source, load_id))
+                self.slot_pool.load(slot, self.get_adapter(name, source, load_id), plan.lora_expert_slots.get(slot))
             except Exception as exc:  # noqa: BLE001  (reported per adapter, the engine carries on)
                 self.slot_pool.clear(slot)
                 failed[name] = f"adapter {display_name(name)!r} could not be installed on rank {self.tp.rank}: {exc}"
