@@ -10,6 +10,8 @@ not fit is refused before anything is allocated, with what would fit.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from lora.modules import EXPERT_GROUPS
@@ -26,26 +28,28 @@ def expert_slot_bytes(groups: dict, num_layers: int, max_rank: int, dtype: torch
     return total * size
 
 
-def free_memory(device: torch.device) -> int:
-    """Bytes free on `device` now (host memory for the CPU)."""
+def free_memory(device: torch.device) -> int | None:
+    """Bytes free on `device` now (host memory for the CPU); None where the runtime cannot say."""
     if device.type == "cpu":
         import psutil
         return psutil.virtual_memory().available
-    return getattr(torch, device.type).mem_get_info(device)[0]
+    mem_get_info = getattr(getattr(torch, device.type, None), "mem_get_info", None)
+    return mem_get_info(device)[0] if mem_get_info is not None else None
 
 
 def check_expert_slots(groups: dict, num_layers: int, num_slots: int, max_rank: int, dtype: torch.dtype,
-                       budget: int, budget_source: str) -> str | None:
-    """The start-up report of the expert slots (None: no expert LoRA), or ValueError saying what would fit."""
+                       budget: Callable[[], int | None], budget_source: str) -> str | None:
+    """The start-up report of the expert slots (None: no expert LoRA), or ValueError saying what would fit.
+    `budget()`: the bytes they may take (None: unknown, reported only)."""
     per_slot = expert_slot_bytes(groups, num_layers, max_rank, dtype)
     if not per_slot:
         return None
     gb = 2 ** 30
-    need = per_slot * num_slots
+    need, budget = per_slot * num_slots, budget()
     report = (f"expert LoRA slots (max_expert_loras): {num_slots} x {per_slot / gb:.3f} GB = {need / gb:.3f} GB "
               f"(max_lora_rank {max_rank}, {str(dtype).removeprefix('torch.')}, this rank's cut), "
-              f"{budget_source} {budget / gb:.3f} GB")
-    if need <= budget:
+              + (f"{budget_source} {budget / gb:.3f} GB" if budget is not None else f"{budget_source} unknown"))
+    if budget is None or need <= budget:
         return report
     slots = budget // per_slot
     rank = budget // (num_slots * (per_slot // max_rank))

@@ -156,10 +156,12 @@ def test_lora_shard_cuts_experts_like_their_weights():
 def test_expert_slot_memory_is_said_and_a_config_that_does_not_fit_is_refused(model, caplog):
     groups = {"experts_gate_up": GroupShape(64, (24, 24), (0, 2), 8), "experts_down": GroupShape(24, (64,), (0, 2), 8)}
     per_slot = 2 * 8 * 16 * (2 * 64 + 48 + 24 + 64) * 4      # layers x experts x R x (A + B) x fp32
-    report = check_expert_slots(groups, 3, 4, 16, torch.float32, 4 * per_slot, "budget")
+    report = check_expert_slots(groups, 3, 4, 16, torch.float32, lambda: 4 * per_slot, "budget")
     assert report.startswith(f"expert LoRA slots (max_expert_loras): 4 x {per_slot / 2 ** 30:.3f} GB")
     with pytest.raises(ValueError, match=r"do not fit; what would: max_expert_loras <= 2, or max_lora_rank <= 8"):
-        check_expert_slots(groups, 3, 4, 16, torch.float32, 2 * per_slot, "budget")
+        check_expert_slots(groups, 3, 4, 16, torch.float32, lambda: 2 * per_slot, "budget")
+    assert check_expert_slots(groups, 3, 4, 16, torch.float32, lambda: None, "free").endswith("free unknown")
+    assert check_expert_slots({"o_proj": GroupShape(64, (64,))}, 3, 4, 16, torch.float32, lambda: 0, "b") is None
     with caplog.at_level(logging.INFO, logger="workers.runner"):
         LLMEngine(EngineConfig(model=str(model), device="cpu", dtype="float32", max_lora_rank=16)).close()
     assert "expert LoRA slots (max_expert_loras): 4 x" in caplog.text

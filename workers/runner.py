@@ -165,8 +165,8 @@ class ModelRunner:
     def _check_expert_slots(self, groups: dict) -> None:
         """MoE: the expert slots' memory, said once at start-up (rank 0); refused before allocation if too big."""
         gb = self.config.expert_lora_memory_gb
-        budget, source = (int(gb * 2 ** 30), "expert_lora_memory_gb") if gb is not None else \
-            (free_memory(self.device), f"free on {self.device.type}")
+        budget, source = ((lambda: int(gb * 2 ** 30)), "expert_lora_memory_gb") if gb is not None else \
+            ((lambda: free_memory(self.device)), f"free on {self.device.type}")
         report = check_expert_slots(groups, self.runtime.hf_config.num_hidden_layers, self.config.num_expert_loras,
                                     self.config.max_lora_rank, self.dtype, budget, source)
         if report and self.tp.rank == 0:
