@@ -142,12 +142,13 @@ def _generate(model, ids, max_tokens):
                           min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
 
 
-def run(sizes: Sizes = FULL, dtype: str = "bfloat16", rounds: int | None = None, log=print) -> dict:
-    sizes = replace(sizes, num_requests=sizes.batch, shape=SHAPE)   # one wave of `batch` requests
+def run(sizes: Sizes = FULL, dtype: str = "bfloat16", rounds: int | None = None, log=print,
+        shape: MoeShape = SHAPE) -> dict:
+    sizes = replace(sizes, num_requests=sizes.batch, shape=shape)   # one wave of `batch` requests
     set_threads(sizes.threads)
     rounds = rounds or sizes.peer_rounds
-    model_dir = build_checkpoint(dtype)
-    paths = build_adapters(model_dir, 8, sizes.rank, dtype)
+    model_dir = build_checkpoint(dtype, shape)
+    paths = build_adapters(model_dir, 8, sizes.rank, dtype, shape)
     prompts = make_prompts(sizes)
     plans = {"base": [None] * sizes.batch, "eight": [f"lora-{i % 8:04d}" for i in range(sizes.batch)]}
     engine = make_engine(model_dir, dtype, sizes)
@@ -178,7 +179,7 @@ def run(sizes: Sizes = FULL, dtype: str = "bfloat16", rounds: int | None = None,
     def ratio(a, b, key="output_tok_s"):
         return median([x[a][key] / x[b][key] for x in per_round])
 
-    return {"benchmark": "moe", "dtype": dtype, "shape": vars(SHAPE), "sizes": sizes_dict(sizes),
+    return {"benchmark": "moe", "dtype": dtype, "shape": vars(shape), "sizes": sizes_dict(sizes),
             "machine": machine_info(),
             "output_tok_s": {key: median([x[key]["output_tok_s"] for x in per_round]) for key in per_round[0]},
             "eight_over_base": ratio("ours_eight", "ours_base"),

@@ -208,3 +208,23 @@ def test_expert_slots_hold_every_expert_at_combined_indices_and_clear_to_zero():
     pool.clear(0)
     assert not any(t.any() for a, bs in pool.buffers.values() for t in (a, *bs)) and pool.expert_ranks == [0, 0]
     assert pool.expert_slot_of == [-1, -1, -1]
+
+
+def test_moe_benchmark_runs_at_a_tiny_shape(tmp_path, monkeypatch):
+    """benchmarks/moe.py end to end (checkpoint, PEFT-made adapters, both systems, ratios) at a tiny shape."""
+    from benchmarks import moe
+    from benchmarks.common import TINY_SIZES
+
+    monkeypatch.setenv("LORASERVE_BENCH_CACHE", str(tmp_path))
+    shape = moe.MoeShape(hidden_size=64, moe_intermediate_size=24, num_experts=8, num_experts_per_tok=2,
+                         num_attention_heads=4, num_key_value_heads=1, head_dim=16, num_hidden_layers=1,
+                         vocab_size=512, intermediate_size=96)
+    result = moe.run(replace_sizes(TINY_SIZES), "float32", rounds=1, log=lambda *_: None, shape=shape)
+    assert result["eight_over_base"] > 0 and result["ours_over_peft_eight"] > 0
+    assert set(result["output_tok_s"]) == {"ours_eight", "ours_base", "peft_eight", "peft_base"}
+
+
+def replace_sizes(sizes):
+    from dataclasses import replace
+
+    return replace(sizes, batch=8, max_tokens=3, prompt_len=8, rank=8, threads=1)
