@@ -16,6 +16,7 @@ workers/models/qwen3_moe.py's MoeExperts (`gate_up`, `act`, `down`, `combine`).
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -36,6 +37,9 @@ class ExpertRanks(Sequence):
 
     def __getitem__(self, index: int) -> int:
         return self.slot_ranks[index // self.num_experts]
+
+    def __iter__(self):   # batch_info copies it once a layer: M*E values, without a Python call each
+        return itertools.chain.from_iterable(itertools.repeat(r, self.num_experts) for r in self.slot_ranks)
 
 
 class MoeExpertsLoRA(nn.Module):
