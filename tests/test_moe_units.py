@@ -228,3 +228,18 @@ def replace_sizes(sizes):
     from dataclasses import replace
 
     return replace(sizes, batch=8, max_tokens=3, prompt_len=8, rank=8, threads=1)
+
+
+def test_pinning_keeps_an_expert_slot_free(model, tmp_path):
+    engine = LLMEngine(EngineConfig(model=str(model), device="cpu", dtype="float32", max_lora_rank=8,
+                                    max_loras_per_batch=4, max_expert_loras=2))
+    try:
+        experts = [make_expert_adapter(model, tmp_path / f"e{i}", seed=i) for i in range(2)]
+        attention = make_adapter(model, tmp_path / "attn", target_modules=["q_proj"])
+        engine.load_adapter("e0", str(experts[0]), pinned=True)
+        with pytest.raises(AdapterError, match=r"no free expert slot \(max_expert_loras=2\)"):
+            engine.load_adapter("e1", str(experts[1]), pinned=True)
+        engine.load_adapter("attn", str(attention), pinned=True)   # no expert weights: an ordinary slot only
+        engine.load_adapter("e1", str(experts[1]))
+    finally:
+        engine.close()

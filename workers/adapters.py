@@ -94,6 +94,11 @@ class AdapterManager:
             raise AdapterError(f"adapter {name!r}: pinning it would leave no free slot "
                                f"(max_loras_per_batch={self.max_loras_per_batch})")
         adapter = preloaded[0] if preloaded is not None else self._load(name, source)
+        has_experts = any(module in EXPERT_MODULES for _, module in adapter.weights)
+        if pinned and has_experts and current not in self.pinned and \
+                sum(map(self.uses_experts, pinned_keys)) + 1 >= self.max_expert_loras:
+            raise AdapterError(f"adapter {name!r}: pinning it would leave no free expert slot "
+                               f"(max_expert_loras={self.max_expert_loras})")
         version = content_version(adapter)
         if current is not None and self._versions[current] == version and self.cache.registered()[current] == source:
             self.cache.register(current, source, pinned=pinned)
@@ -101,7 +106,7 @@ class AdapterManager:
             return "unchanged"
         key = f"{name}@{next(self._generation)}"
         self._versions[key] = version
-        self._has_experts[key] = any(module in EXPERT_MODULES for _, module in adapter.weights)
+        self._has_experts[key] = has_experts
         self.cache.register(key, source, pinned=pinned)
         try:
             self.cache.load_now(key, preloaded or (adapter, 0.0))
