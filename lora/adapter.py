@@ -106,7 +106,8 @@ def model_spec_from_hf_config(cfg_dict: dict, modules: Iterable[str] = SUPPORTED
     if unknown:
         raise ValueError(f"modules {unknown} are not LoRA targets; expected a subset of {list(SUPPORTED_MODULES)}")
     # a dense model has no expert modules: targets it lacks are left out (an adapter naming them is refused)
-    return LoRAModelSpec(num_layers=cfg_dict["num_hidden_layers"], module_dims={m: dims[m] for m in modules if m in dims},
+    return LoRAModelSpec(num_layers=cfg_dict["num_hidden_layers"],
+                         module_dims={m: dims[m] for m in modules if m in dims},
                          num_experts=num_experts if sparse else 0, sparse_layers=sparse)
 
 

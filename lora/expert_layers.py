@@ -4,9 +4,10 @@ The block computes its experts on (token, choice) rows. Row n belongs to token t
 expert e = rows.expert[n]; with m the expert slot of the token's adapter (the slot pool's
 expert_slot_of[slot]; -1 for the base and for adapters without expert weights), its LoRA pair is
 block m*E + e of the expert buffers (lora/slots.py), the one combined (slot, expert) index per row
-that vllm-ascend gives its bgmv kernels. So the rows get a LoRA batch info over combined indices, built by the runner's backend
-like any other (eager: the step's rows grouped by index; graph: the index per row computed on the
-device), and each projection's LoRA is a plain stacked layer op bound once by the backend:
+that vllm-ascend gives its bgmv kernels. So the rows get a LoRA batch info over combined indices, built
+by the runner's backend like any other (eager: the step's rows grouped by index; graph: the index per
+row computed on the device), and each projection's LoRA is a plain stacked layer op bound once by the
+backend:
 
     gate_up[n] += x[n] @ A13[m*E + e].T @ B13[m*E + e].T    (gate and up slices, A replicated)
     down[n]    += act[n] @ A2[m*E + e].T @ B2[m*E + e].T     (A cut on the input columns, B replicated)

@@ -179,7 +179,8 @@ class AdapterManager:
         for _, key in self.expert_slots.assign(experts, pinned=self.pinned):
             loads.setdefault(key, self.slots.slot_of(key))
         expert_slots = {slot: self.expert_slots.slot_of(key) for key, slot in loads.items() if key in experts}
-        return [(slot, key, self.cache.source(key), self.cache.load_id(key)) for key, slot in loads.items()], expert_slots
+        loads = [(slot, key, self.cache.source(key), self.cache.load_id(key)) for key, slot in loads.items()]
+        return loads, expert_slots
 
     def load_id(self, name: str) -> int:
         """Which read of the adapter's files is resident: part of its KV's prefix-cache identity."""
@@ -201,7 +202,8 @@ class AdapterManager:
             self._has_experts.pop(key, None)
 
     def stats(self) -> dict:
-        return {"host_cache": self.cache.stats(), "slots": self.slots.stats(), "expert_slots": self.expert_slots.stats()}
+        return {"host_cache": self.cache.stats(), "slots": self.slots.stats(),
+                "expert_slots": self.expert_slots.stats()}
 
     def close(self) -> None:
         self.cache.close()

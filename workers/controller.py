@@ -233,7 +233,8 @@ class Controller:
         # Decodes first, then chunks; within each, by slot: one LoRA segment per adapter.
         scheduled.sort(key=lambda item: (item[1] > 1 or item[0].num_uncomputed > 1, slot_of(item[0].adapter_key)))
         plan = StepPlan(input_ids=[], positions=[], query_lens=[], seq_lens=[], block_tables=[], lora_slots=[],
-                        lora_loads=loads, lora_expert_slots=expert_slots, sampler_inits=[self._sampler_init(s) for s in self._new_sampler_slots])
+                        lora_loads=loads, lora_expert_slots=expert_slots,
+                        sampler_inits=[self._sampler_init(s) for s in self._new_sampler_slots])
         for seq, n in scheduled:
             start, p = seq.num_computed_tokens, seq.params
             plan.input_ids += seq.token_ids[start:start + n]

@@ -43,7 +43,8 @@ def is_sparse_layer(cfg, index: int) -> bool:
 class ExpertRows:
     """The block's (token, choice) rows and where each expert's are.
 
-    Eager: rows sorted by expert (stable: by token within one), `expert_runs` lists (expert, start, end) of the active experts (read back once per layer).
+    Eager: rows sorted by expert (stable: by token within one), `expert_runs` lists (expert, start, end)
+    of the active experts (read back once per layer).
     Graph-safe: rows in (token, choice) order, `expert_runs` is None and each expert's rows are
     found by mask on the device."""
     token: torch.Tensor            # [N] the token each row belongs to
