@@ -19,6 +19,9 @@ def main(spec_path: str, out_path: str) -> None:
 
     lora = dict(enable_lora=True, max_loras=spec["max_loras"], max_lora_rank=spec["rank"],
                 max_cpu_loras=max(spec["max_loras"], len(spec["adapters"]))) if spec["enable_lora"] else {}
+    moe_3d = spec.get("moe_3d_lora", False)   # PEFT target_parameters on fused experts (benchmarks/moe_vllm.py)
+    if moe_3d:
+        lora["enable_mixed_moe_lora_format"] = True
     started = time.perf_counter()
     llm = LLM(model=spec["model"], dtype=spec["dtype"], max_num_seqs=spec["batch"],
               max_model_len=spec["max_model_len"], seed=0, **lora)
@@ -28,7 +31,8 @@ def main(spec_path: str, out_path: str) -> None:
 
     def generate(requests):
         prompts = [{"prompt_token_ids": p} for p, _ in requests]
-        loras = [LoRARequest(a, ids[a], spec["adapters"][a]) if a else None for _, a in requests]
+        extra = {"is_3d_lora_weight": True} if moe_3d else {}
+        loras = [LoRARequest(a, ids[a], spec["adapters"][a], **extra) if a else None for _, a in requests]
         return llm.generate(prompts, params, lora_request=loras if spec["enable_lora"] else None, use_tqdm=False)
 
     for requests in spec["workloads"].values():            # warm-up: every adapter loaded, first-call costs paid

@@ -14,7 +14,8 @@ from typing import Iterable, Sequence
 import torch
 
 from lora.errors import AdapterError, AdapterRankError, AdapterShapeError, AdapterTargetError, AdapterWeightsError
-from lora.modules import GLOBAL_MODULES, LINEAR_MODULES, SUPPORTED_MODULES
+from lora.expert_format import split_expert_pairs
+from lora.modules import EXPERT_MODULES, GLOBAL_MODULES, LINEAR_MODULES, SUPPORTED_MODULES
 from lora.peft_format import LoraSettings, LoraTensorPair, read_settings, read_tensor_pairs
 from lora.sources import resolve_source
 
@@ -41,10 +42,14 @@ class LoRAModelSpec:
     """What validation needs to know of the base model (unsharded shapes).
 
     module_dims maps a module name to (in_features, out_features) of the base
-    layer; for embed_tokens it is (vocab_size, hidden_size).
+    layer; for embed_tokens it is (vocab_size, hidden_size); for an expert module
+    (experts.gate_proj, ...) one expert's. A mixture-of-experts model has its
+    experts in `sparse_layers` and dense MLPs in the others.
     """
     num_layers: int
     module_dims: dict[str, tuple[int, int]]
+    num_experts: int = 0
+    sparse_layers: frozenset[int] = frozenset()
 
 
 @dataclass
@@ -53,6 +58,7 @@ class LoRAWeights:
 
     linear:       lora_a [r, in],    lora_b [out, r];   delta = x @ a.T @ b.T * scaling
     embed_tokens: lora_a [r, vocab], lora_b [hidden, r]; delta = a.T[ids] @ b.T * scaling
+    experts:      lora_a [E, r, in], lora_b [E, out, r]; expert e's rows: x @ a[e].T @ b[e].T * scaling
     """
     lora_a: torch.Tensor
     lora_b: torch.Tensor
@@ -60,7 +66,7 @@ class LoRAWeights:
 
     @property
     def rank(self) -> int:
-        return self.lora_a.shape[0]
+        return self.lora_a.shape[-2]
 
 
 @dataclass
@@ -83,7 +89,14 @@ def model_spec_from_hf_config(cfg_dict: dict, modules: Iterable[str] = SUPPORTED
     head_dim = cfg_dict.get("head_dim") or hidden // heads   # Qwen3 sets it apart from hidden / heads
     q_out, kv_out = heads * head_dim, kv_heads * head_dim
     intermediate, vocab = cfg_dict["intermediate_size"], cfg_dict["vocab_size"]
-    dims = {
+    num_experts = cfg_dict.get("num_experts") or cfg_dict.get("num_local_experts") or 0
+    sparse = frozenset(i for i in range(cfg_dict["num_hidden_layers"]) if num_experts
+                       and i not in (cfg_dict.get("mlp_only_layers") or [])
+                       and (i + 1) % cfg_dict.get("decoder_sparse_step", 1) == 0)
+    moe = cfg_dict.get("moe_intermediate_size")
+    expert_dims = {"experts.gate_proj": (hidden, moe), "experts.up_proj": (hidden, moe),
+                   "experts.down_proj": (moe, hidden)} if sparse else {}
+    dims = {**expert_dims,
         "q_proj": (hidden, q_out), "k_proj": (hidden, kv_out), "v_proj": (hidden, kv_out),
         "o_proj": (q_out, hidden), "gate_proj": (hidden, intermediate), "up_proj": (hidden, intermediate),
         "down_proj": (intermediate, hidden), "embed_tokens": (vocab, hidden), "lm_head": (hidden, vocab),
@@ -92,7 +105,10 @@ def model_spec_from_hf_config(cfg_dict: dict, modules: Iterable[str] = SUPPORTED
     unknown = sorted(set(modules) - set(SUPPORTED_MODULES))
     if unknown:
         raise ValueError(f"modules {unknown} are not LoRA targets; expected a subset of {list(SUPPORTED_MODULES)}")
-    return LoRAModelSpec(num_layers=cfg_dict["num_hidden_layers"], module_dims={m: dims[m] for m in modules})
+    # a dense model has no expert modules: targets it lacks are left out (an adapter naming them is refused)
+    return LoRAModelSpec(num_layers=cfg_dict["num_hidden_layers"],
+                         module_dims={m: dims[m] for m in modules if m in dims},
+                         num_experts=num_experts if sparse else 0, sparse_layers=sparse)
 
 
 def load_adapter(name: str, source: str, spec: LoRAModelSpec, *, max_lora_rank: int,
@@ -103,8 +119,15 @@ def load_adapter(name: str, source: str, spec: LoRAModelSpec, *, max_lora_rank: 
     """
     directory, roots = resolve_source(name, source, adapter_roots, allow_hub)
     settings = read_settings(name, directory, roots)
+    pairs, experts = split_expert_pairs(name, read_tensor_pairs(name, directory, roots), settings, spec, max_lora_rank,
+                                        lambda key, tensor: _fp32(name, key, tensor))
     weights = {}
-    for pair in read_tensor_pairs(name, directory, roots):
+    for (layer, module), (a, b, scaling) in experts.items():
+        if module not in spec.module_dims:
+            raise AdapterTargetError(f"adapter {name!r}: layer {layer} {module} is not among the LoRA targets served "
+                                     f"({sorted(spec.module_dims)})")
+        weights[layer, module] = LoRAWeights(lora_a=a, lora_b=b, scaling=scaling)
+    for pair in pairs:
         if (pair.layer, pair.module) in weights:  # two module paths naming the same base module
             raise AdapterTargetError(f"adapter {name!r}: {pair.module_path!r} is a second {pair.module!r} in "
                                      f"layer {pair.layer}; expected one per layer")
@@ -148,6 +171,10 @@ def _check_target(name: str, pair: LoraTensorPair, spec: LoRAModelSpec) -> None:
     if pair.layer >= spec.num_layers:
         raise AdapterTargetError(f"adapter {name!r}: module {pair.module_path!r} is in layer {pair.layer}, "
                                  f"expected a layer below num_layers {spec.num_layers}")
+    if pair.module in ("gate_proj", "up_proj", "down_proj") and pair.layer in spec.sparse_layers:
+        raise AdapterTargetError(f"adapter {name!r}: module {pair.module_path!r}: layer {pair.layer} is a sparse "
+                                 "(mixture-of-experts) layer with no dense MLP; its experts are targeted as "
+                                 "mlp.experts.gate_up_proj / down_proj or mlp.experts.<e>.gate_proj")
     # PEFT wraps embeddings in lora.Embedding (lora_embedding_A/B) and linears in lora.Linear (lora_A/B).
     is_embedding = pair.module == "embed_tokens"
     if pair.embedding != is_embedding:

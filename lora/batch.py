@@ -77,6 +77,7 @@ class LoRABatchInfo:
     seg_lens: torch.Tensor | None = None      # [S] int64 on the device (sgmv kernels)
     seg_slots: torch.Tensor | None = None     # [S] int64 on the device
     seg_lens_host: tuple[int, ...] = ()
+    token_slots_host: tuple[int, ...] = ()    # eager phases: the slot per token on the host (MoE expert rows)
     seg_slots_host: tuple[int, ...] = ()
     slot_ranks_host: tuple[int, ...] = ()     # [num_slots] effective rank, 0 = empty slot
     max_rank: int = 0
@@ -164,6 +165,6 @@ def make_batch_info(token_slots: list[int], slot_ranks: list[int], max_rank: int
                                             gemm_min_tokens)
     return LoRABatchInfo(
         token_slots=packed[:T], seg_lens=packed[T:T + S], seg_slots=packed[T + S:],
-        seg_lens_host=tuple(lens), seg_slots_host=tuple(slots),
+        seg_lens_host=tuple(lens), seg_slots_host=tuple(slots), token_slots_host=tuple(token_slots),
         slot_ranks_host=tuple(slot_ranks), max_rank=max_rank, use_graph=use_graph,
         phase="graph" if use_graph else phase or "prefill", plan=plan)

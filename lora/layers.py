@@ -15,7 +15,7 @@ from torch import nn
 
 from lora.backends.base import LayerLoRA, LoRABackend
 from lora.batch import LoRABatchInfo
-from lora.modules import PACKED_MODULES
+from lora.modules import EXPERT_GROUPS, PACKED_MODULES
 
 
 def _active(lora: LoRABatchInfo | None) -> bool:
@@ -89,6 +89,8 @@ def wrap_model(model: nn.Module, buffers: dict, backend: LoRABackend) -> None:
     kinds = {"column": ColumnParallelLoRA, "row": RowParallelLoRA, "embedding": EmbeddingLoRA,
              "lm_head": LMHeadLoRA}
     for group in PACKED_MODULES:
+        if group.name in EXPERT_GROUPS:   # inside a MoE block: lora/expert_layers.py
+            continue
         for index in ([-1] if group.path is None else range(len(model.layers))):
             if (index, group.name) not in buffers:
                 continue

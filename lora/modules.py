@@ -22,7 +22,8 @@ class PackedModule:
     name: str                   # the model's module, e.g. qkv_proj
     modules: tuple[str, ...]    # the checkpoint / PEFT modules stacked in its output, in order
     path: str | None            # its attribute under each decoder layer; None: one for the model
-    parallel: str               # column | row | embedding | lm_head: how TP cuts it and its LoRA
+    parallel: str               # column | row | embedding | lm_head | expert_column | expert_row: how TP
+                                # cuts it and its LoRA (expert_*: every expert of a MoE block, per-expert weights)
 
 
 PACKED_MODULES = (
@@ -32,6 +33,10 @@ PACKED_MODULES = (
     PackedModule("down_proj", ("down_proj",), "mlp.down_proj", "row"),
     PackedModule("embed_tokens", ("embed_tokens",), None, "embedding"),
     PackedModule("lm_head", ("lm_head",), None, "lm_head"),
+    # Qwen3-MoE's sparse layers: gate/up/down of every expert (lora/expert_format.py reads both PEFT formats)
+    PackedModule("experts_gate_up", ("experts.gate_proj", "experts.up_proj"), "mlp.experts.gate_up_proj",
+                 "expert_column"),
+    PackedModule("experts_down", ("experts.down_proj",), "mlp.experts.down_proj", "expert_row"),
 )
 GROUPS = {group.name: group for group in PACKED_MODULES}
 # module -> (its group, its slice in the group's stacked output)
@@ -39,6 +44,10 @@ MODULE_GROUPS = {module: (group.name, s) for group in PACKED_MODULES for s, modu
 SUPPORTED_MODULES = tuple(MODULE_GROUPS)
 # Whole-model modules: their weights and buffers are stored under layer index -1.
 GLOBAL_MODULES = tuple(m for group in PACKED_MODULES if group.path is None for m in group.modules)
-LINEAR_MODULES = tuple(m for group in PACKED_MODULES if group.path is not None for m in group.modules)
-# vLLM's form: fused module -> the checkpoint modules in it, for the fused ones only
-PACKED_MODULES_MAPPING = {group.name: list(group.modules) for group in PACKED_MODULES if len(group.modules) > 1}
+LINEAR_MODULES = tuple(m for group in PACKED_MODULES if group.path is not None
+                       and not group.parallel.startswith("expert") for m in group.modules)
+EXPERT_GROUPS = tuple(group.name for group in PACKED_MODULES if group.parallel.startswith("expert"))
+EXPERT_MODULES = tuple(m for name in EXPERT_GROUPS for m in GROUPS[name].modules)
+# vLLM's form: fused module -> the checkpoint modules in it, for the fused linear ones only
+PACKED_MODULES_MAPPING = {group.name: list(group.modules) for group in PACKED_MODULES
+                          if len(group.modules) > 1 and group.name not in EXPERT_GROUPS}

@@ -17,6 +17,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load
 
 from lora.errors import AdapterConfigError, AdapterUnsupportedError, AdapterWeightsError
+from lora.expert_format import EXPERT_PARAMETERS, ROUTER_REFUSAL
 from lora.sources import check_inside_roots, read_small_file, regular_file
 
 CONFIG_NAME = "adapter_config.json"
@@ -34,7 +35,6 @@ UNSUPPORTED_FIELDS = {
     "lora_bias": "a bias on lora_B",
     "modules_to_save": "fully trained module copies",
     "trainable_token_indices": "trainable token embeddings",
-    "target_parameters": "LoRA on parameters",
     "layer_replication": "replicated layers",
     "alora_invocation_tokens": "activated LoRA (aLoRA)",
     "use_qalora": "QA-LoRA",
@@ -90,6 +90,7 @@ def read_settings(name: str, directory: Path, roots: Sequence[str]) -> LoraSetti
         if config.get(field):
             raise AdapterUnsupportedError(
                 f"adapter {name!r}: {field}={config[field]!r} ({feature}) is not supported; expected unset")
+    _check_target_parameters(name, config.get("target_parameters"))
     if config.get("bias", "none") != "none":
         raise AdapterUnsupportedError(f"adapter {name!r}: bias={config['bias']!r} is not supported; expected 'none'")
     if "r" not in config:
@@ -103,6 +104,22 @@ def read_settings(name: str, directory: Path, roots: Sequence[str]) -> LoraSetti
                         lora_alpha=_number(name, "lora_alpha", config.get("lora_alpha", DEFAULT_LORA_ALPHA),
                                            (int, float)),
                         use_rslora=use_rslora, rank_pattern=rank_pattern, alpha_pattern=alpha_pattern)
+
+
+def _check_target_parameters(name: str, targets) -> None:
+    """PEFT's LoRA on parameters: served for the MoE experts' fused weights only (lora/expert_format.py)."""
+    if not targets:
+        return
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        raise AdapterConfigError(f"adapter {name!r}: target_parameters must be a list of parameter names")
+    for target in targets:
+        if target.removesuffix(".weight").endswith("mlp.gate"):
+            raise AdapterUnsupportedError(f"adapter {name!r}: target_parameters {target!r}: {ROUTER_REFUSAL}")
+        # PEFT matches a name against the end of the parameter's path (it writes bare `gate_up_proj` itself
+        # when it turns target_modules gate/up/down_proj into target_parameters for fused experts)
+        if not any(target == p or p.endswith("." + target) or target.endswith("." + p) for p in EXPERT_PARAMETERS):
+            raise AdapterUnsupportedError(f"adapter {name!r}: target_parameters {target!r} (LoRA on a parameter) is "
+                                          f"not supported; expected parameters ending in {list(EXPERT_PARAMETERS)}")
 
 
 def _number(name: str, field: str, value, kind):

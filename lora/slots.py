@@ -81,6 +81,8 @@ class SlotTable:
 class GroupShape:
     in_dim: int                 # local (per-rank) input features; embed_tokens: local vocab size
     out_dims: tuple[int, ...]   # local output features per stacked slice; embed_tokens: (hidden,)
+    layers: tuple[int, ...] | None = None   # the layers that have the module (None: every layer)
+    experts: int = 0            # an expert group: E per-expert blocks per slot (slot l, expert e at l * E + e)
 
 
 def _no_shard(module: str, weights: LoRAWeights) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,6 +99,10 @@ class SlotPool:
         a [L, vocab, R]          lora_a.T (PEFT's lora_embedding_A is [r, vocab])
         b (1 tensor)             [L, hidden, R]
     Per layer for the linear groups; once, at layer -1, for embed_tokens / lm_head.
+    Expert groups (MoE) have their own, fewer slots (`num_expert_slots`, M): only adapters with
+    expert weights take one, at load, beside their slot (`expert_slot_of[slot]`, -1 for none).
+    They hold E blocks per expert slot: a [M*E, stack*R, in], b[s] [M*E, out, R], expert slot
+    m's expert e at index m*E + e, the one combined index the ops read per row.
     The scaling is folded into b, and every row / column a slot's adapter does
     not use is zero, so a kernel that computes all R ranks (or an empty slot)
     adds exactly the adapter's delta (or zero).
@@ -108,7 +114,8 @@ class SlotPool:
 
     def __init__(self, num_layers: int, groups: dict[str, GroupShape], num_slots: int, max_rank: int,
                  dtype: torch.dtype, device: torch.device | str,
-                 shard: Callable[[str, LoRAWeights], tuple[torch.Tensor, torch.Tensor]] | None = None):
+                 shard: Callable[[str, LoRAWeights], tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 num_expert_slots: int | None = None):
         assert num_slots >= 1 and max_rank >= 1, (num_slots, max_rank)
         for group, shape in groups.items():
             if group not in GROUPS:
@@ -120,14 +127,30 @@ class SlotPool:
         self.num_slots, self.max_rank = num_slots, max_rank
         self.dtype, self.device = dtype, torch.device(device)
         self.shard = shard or _no_shard
+        self.num_expert_slots = num_slots if num_expert_slots is None else num_expert_slots
         self.slot_ranks: list[int] = [0] * num_slots
+        self.expert_ranks: list[int] = [0] * self.num_expert_slots   # by expert slot: its rank, 0 = empty
+        # slot -> its adapter's expert slot (-1: none); the device copy is what a captured decode reads
+        self.expert_slot_of: list[int] = [-1] * num_slots
+        self.expert_slot_of_device = torch.full((num_slots,), -1, dtype=torch.int64, device=self.device)
         self.buffers: dict[tuple[int, str], tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = {}
         for group, shape in self.groups.items():
-            for layer in ([-1] if GROUPS[group].path is None else range(num_layers)):
+            for layer in self._layers(group):
                 self.buffers[(layer, group)] = self._allocate(group, shape)
 
+    def _layers(self, group: str):
+        if GROUPS[group].path is None:
+            return [-1]
+        layers = self.groups[group].layers
+        return range(self.num_layers) if layers is None else layers
+
+    def _index(self, group: str, slot: int) -> int | slice:
+        """A slot's block of a buffer: one index, or in an expert group the E rows of expert slot `slot`."""
+        E = self.groups[group].experts
+        return slice(slot * E, (slot + 1) * E) if E else slot
+
     def _allocate(self, group: str, shape: GroupShape):
-        L, R = self.num_slots, self.max_rank
+        L, R = (self.num_expert_slots * shape.experts if shape.experts else self.num_slots), self.max_rank
         if group == "embed_tokens":
             a = torch.zeros(L, shape.in_dim, R, dtype=self.dtype, device=self.device)
         else:
@@ -135,8 +158,9 @@ class SlotPool:
         return a, tuple(torch.zeros(L, out, R, dtype=self.dtype, device=self.device)
                         for out in shape.out_dims)
 
-    def load(self, slot: int, adapter: LoRAAdapter) -> None:
-        """Copy `adapter` into `slot` in place; everything it does not use becomes zero.
+    def load(self, slot: int, adapter: LoRAAdapter, expert_slot: int | None = None) -> None:
+        """Copy `adapter` into `slot` (its expert weights into `expert_slot`) in place; everything it does not
+        use becomes zero. An adapter without expert weights leaves the expert slots alone.
 
         Everything is checked (ValueError) before the slot is touched.
         """
@@ -145,29 +169,45 @@ class SlotPool:
             raise ValueError(
                 f"adapter {adapter.name!r}: rank {adapter.rank} > max_lora_rank {self.max_rank}")
         pieces = [self._prepare(adapter.name, key, weights) for key, weights in adapter.weights.items()]
+        has_experts = any(self.groups[group].experts for (_, group, _), _, _, _ in pieces)
+        if has_experts and not (expert_slot is not None and 0 <= expert_slot < self.num_expert_slots):
+            raise ValueError(f"adapter {adapter.name!r} has expert weights: it needs an expert slot in "
+                             f"[0, {self.num_expert_slots}), got {expert_slot}")
         # Zero only what the pieces leave: a slice they fill at full rank needs no clearing (with
         # every module at max rank, nothing); this and the copies below run on the step's thread.
-        full = {key for key, a, _, _ in pieces if a.shape[0] == self.max_rank}
+        full = {key for key, a, _, _ in pieces if a.shape[-2] == self.max_rank}
         for (layer, group), (buf_a, buf_b) in self.buffers.items():
+            if self.groups[group].experts and not has_experts:
+                continue
+            index = self._index(group, expert_slot if self.groups[group].experts else slot)
             for s, b_s in enumerate(buf_b):
                 if (layer, group, s) not in full:
-                    self._slice(buf_a, group, slot, s).zero_()
-                    b_s[slot].zero_()
+                    self._slice(buf_a, group, index, s).zero_()
+                    b_s[index].zero_()
         for (layer, group, s), a, b, scaling in pieces:
             # the host copies onto the slot's device first: no op may mix host and device tensors
-            a, b, r = to_device(a, self.device), to_device(b, self.device), a.shape[0]
+            a, b, r = to_device(a, self.device), to_device(b, self.device), a.shape[-2]
             buf_a, buf_b = self.buffers[(layer, group)]
+            index = self._index(group, expert_slot if self.groups[group].experts else slot)
             if group == "embed_tokens":
                 buf_a[slot, :, :r].copy_(a.T)
             else:
-                buf_a[slot, s * self.max_rank:s * self.max_rank + r].copy_(a)
+                buf_a[index, s * self.max_rank:s * self.max_rank + r].copy_(a)
             # scaled in fp32 and rounded once, straight into the slot (no temporary)
-            torch.mul(b.float(), scaling, out=buf_b[s][slot, :, :r])
+            torch.mul(b.float(), scaling, out=buf_b[s][index, :, :r])
         self.slot_ranks[slot] = adapter.rank
+        self._map_expert_slot(slot, expert_slot if has_experts else -1)
+        if has_experts:
+            self.expert_ranks[expert_slot] = max(a.shape[-2] for (_, group, _), a, _, _ in pieces
+                                                 if self.groups[group].experts)
 
-    def _slice(self, buf_a: torch.Tensor, group: str, slot: int, s: int) -> torch.Tensor:
-        """Slot `slot`'s slice `s` of an A buffer (embed_tokens: the whole [vocab, R] block)."""
-        return buf_a[slot] if group == "embed_tokens" else buf_a[slot, s * self.max_rank:(s + 1) * self.max_rank]
+    def _map_expert_slot(self, slot: int, expert_slot: int) -> None:
+        self.expert_slot_of[slot] = expert_slot
+        self.expert_slot_of_device[slot] = expert_slot   # a scalar write in place: graphs keep reading it
+
+    def _slice(self, buf_a: torch.Tensor, group: str, index: int | slice, s: int) -> torch.Tensor:
+        """A slot's (`index`, see _index) slice `s` of an A buffer (embed_tokens: the whole [vocab, R] block)."""
+        return buf_a[index] if group == "embed_tokens" else buf_a[index, s * self.max_rank:(s + 1) * self.max_rank]
 
     def _prepare(self, name: str, key: tuple[int, str], weights: LoRAWeights):
         """Shard and check one module's weights: ((layer, group, slice), a, b, scaling)."""
@@ -177,7 +217,7 @@ class SlotPool:
         group, s = MODULE_GROUPS[module]
         if group not in self.groups:
             raise ValueError(f"adapter {name!r}: module {module!r} has no LoRA buffer (group {group!r})")
-        valid_layer = layer == -1 if GROUPS[group].path is None else 0 <= layer < self.num_layers
+        valid_layer = layer == -1 if GROUPS[group].path is None else layer in self._layers(group)
         if not valid_layer:
             raise ValueError(f"adapter {name!r}: module {module!r} at invalid layer {layer}")
         if weights.rank > self.max_rank:
@@ -185,7 +225,8 @@ class SlotPool:
                              f"> max_lora_rank {self.max_rank}")
         a, b = self.shard(module, weights)
         shape, r = self.groups[group], weights.rank
-        expected_a, expected_b = (r, shape.in_dim), (shape.out_dims[s], r)
+        experts = (shape.experts,) if shape.experts else ()
+        expected_a, expected_b = (*experts, r, shape.in_dim), (*experts, shape.out_dims[s], r)
         if tuple(a.shape) != expected_a or tuple(b.shape) != expected_b:
             raise ValueError(f"adapter {name!r}: {module!r} layer {layer} local shapes "
                              f"a {tuple(a.shape)} b {tuple(b.shape)}, expected {expected_a} {expected_b}")
@@ -194,15 +235,24 @@ class SlotPool:
     def clear(self, slot: int) -> None:
         """Zero the slot (rank 0): an empty slot adds exactly zero."""
         self._check_slot(slot)
-        for a, bs in self.buffers.values():
-            a[slot].zero_()
+        expert_slot = self.expert_slot_of[slot]
+        for (_, group), (a, bs) in self.buffers.items():
+            if self.groups[group].experts and expert_slot < 0:
+                continue
+            index = self._index(group, expert_slot if self.groups[group].experts else slot)
+            a[index].zero_()
             for b in bs:
-                b[slot].zero_()
+                b[index].zero_()
+        if expert_slot >= 0:
+            self.expert_ranks[expert_slot] = 0
         self.slot_ranks[slot] = 0
+        self._map_expert_slot(slot, -1)
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.num_slots:
             raise ValueError(f"slot {slot} out of range [0, {self.num_slots})")
 
-    def nbytes(self) -> int:
-        return sum(a.nbytes + sum(b.nbytes for b in bs) for a, bs in self.buffers.values())
+    def nbytes(self, experts: bool | None = None) -> int:
+        """Bytes of the buffers: all, or only the expert groups' (True) / the others' (False)."""
+        return sum(a.nbytes + sum(b.nbytes for b in bs) for (_, group), (a, bs) in self.buffers.items()
+                   if experts is None or bool(self.groups[group].experts) == experts)

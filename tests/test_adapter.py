@@ -12,6 +12,7 @@ from factories import make_adapter, make_model, model_config, read_json
 from safetensors.torch import load_file, save_file
 
 from lora.adapter import LINEAR_MODULES, SUPPORTED_MODULES, load_adapter, model_spec_from_hf_config
+from lora.modules import EXPERT_MODULES
 from lora.errors import (AdapterConfigError, AdapterNotFoundError, AdapterPathError, AdapterRankError,
                          AdapterShapeError, AdapterTargetError, AdapterUnsupportedError, AdapterWeightsError)
 from lora.peft_format import CONFIG_NAME, PICKLED_NAME, SAFETENSORS_NAME
@@ -53,7 +54,7 @@ def test_model_spec_matches_transformers(arch):
     # Layer 0 and the global modules, by their last name.
     modules = {n.rsplit(".", 1)[-1]: m for n, m in AutoModelForCausalLM.from_config(cfg).named_modules()
                if "layers.1." not in n}
-    assert spec.num_layers == 2 and spec.module_dims.keys() == set(SUPPORTED_MODULES)
+    assert spec.num_layers == 2 and spec.module_dims.keys() == set(SUPPORTED_MODULES) - set(EXPERT_MODULES)  # dense
     for module, dims in spec.module_dims.items():
         base = modules[module]
         actual = tuple(base.weight.shape) if module == "embed_tokens" else (base.in_features, base.out_features)

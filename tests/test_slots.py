@@ -6,6 +6,7 @@ import torch
 
 from lora.adapter import LoRAAdapter, LoRAWeights
 from lora.slots import MODULE_GROUPS, GroupShape, SlotPool, SlotTable
+from lora.modules import EXPERT_MODULES
 
 HIDDEN, KV, INTER, VOCAB, LAYERS = 16, 8, 24, 40, 2
 GROUPS = {
@@ -231,4 +232,4 @@ def test_shard_gets_full_tensors_and_returns_local_ones():
     assert seen == [("o_proj", (4, HIDDEN), (HIDDEN, 4))] * LAYERS
     w = adapter.weights[(1, "o_proj")]
     torch.testing.assert_close(pool.buffers[(1, "o_proj")][1][0][0, :, :4], w.lora_b[HIDDEN // 2:] * 2.0)
-    assert set(MODULE_GROUPS) == set(DIMS)
+    assert set(MODULE_GROUPS) - set(EXPERT_MODULES) == set(DIMS)   # experts: tests/test_moe_units.py

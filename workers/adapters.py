@@ -21,6 +21,7 @@ import torch
 from lora.adapter import LoRAAdapter, LoRAModelSpec, check_adapter_name, load_adapter
 from lora.cache import HostAdapterCache
 from lora.errors import AdapterError, AdapterNotFoundError
+from lora.modules import EXPERT_MODULES
 from lora.slots import SlotTable
 
 
@@ -43,7 +44,7 @@ def display_name(key: str) -> str:
 class AdapterManager:
     def __init__(self, spec: LoRAModelSpec, *, max_lora_rank: int, max_loaded_loras: int,
                  max_loras_per_batch: int, adapter_roots: tuple[str, ...] = (), allow_hub: bool = True,
-                 pin_memory: bool = False, load_timeout_s: float | None = None):
+                 pin_memory: bool = False, load_timeout_s: float | None = None, max_expert_loras: int | None = None):
         self.spec = spec
         self.max_lora_rank = max_lora_rank
         self.max_loras_per_batch = max_loras_per_batch
@@ -51,6 +52,10 @@ class AdapterManager:
         self.pin_memory = pin_memory    # page-locked host copies make slot loads async DMA on accelerators
         self.cache = HostAdapterCache(max_loaded_loras, self._load, load_timeout_s=load_timeout_s)
         self.slots = SlotTable(max_loras_per_batch)
+        # MoE: adapters with expert weights also take one of these (fewer: their buffers are large)
+        self.max_expert_loras = max_expert_loras or max_loras_per_batch
+        self.expert_slots = SlotTable(self.max_expert_loras)
+        self._has_experts: dict[str, bool] = {}    # key -> the version has expert weights
         self.pinned: set[str] = set()             # version keys that keep their slot
         self._current: dict[str, str] = {}         # name -> key of the version new requests get
         self._versions: dict[str, str] = {}        # key -> content version of its weights
@@ -89,6 +94,11 @@ class AdapterManager:
             raise AdapterError(f"adapter {name!r}: pinning it would leave no free slot "
                                f"(max_loras_per_batch={self.max_loras_per_batch})")
         adapter = preloaded[0] if preloaded is not None else self._load(name, source)
+        has_experts = any(module in EXPERT_MODULES for _, module in adapter.weights)
+        if pinned and has_experts and current not in self.pinned and \
+                sum(map(self.uses_experts, pinned_keys)) + 1 >= self.max_expert_loras:
+            raise AdapterError(f"adapter {name!r}: pinning it would leave no free expert slot "
+                               f"(max_expert_loras={self.max_expert_loras})")
         version = content_version(adapter)
         if current is not None and self._versions[current] == version and self.cache.registered()[current] == source:
             self.cache.register(current, source, pinned=pinned)
@@ -96,6 +106,7 @@ class AdapterManager:
             return "unchanged"
         key = f"{name}@{next(self._generation)}"
         self._versions[key] = version
+        self._has_experts[key] = has_experts
         self.cache.register(key, source, pinned=pinned)
         try:
             self.cache.load_now(key, preloaded or (adapter, 0.0))
@@ -155,10 +166,21 @@ class AdapterManager:
         self.cache.release(name)
         self._forget_if_unused(name)
 
-    def assign_slots(self, keys: set[str]) -> list[tuple[int, str, str, int]]:
-        """Give every adapter version of the batch a slot; returns the loads (slot, key, source, load id)."""
-        loads = self.slots.assign(sorted(keys), pinned=self.pinned)
-        return [(slot, key, self.cache.source(key), self.cache.load_id(key)) for slot, key in loads]
+    def uses_experts(self, key: str) -> bool:
+        """Whether the adapter version (or a name's current one) has expert weights: it needs an expert slot."""
+        return self._has_experts.get(self._current.get(key, key), False)
+
+    def assign_slots(self, keys: set[str]) -> tuple[list[tuple[int, str, str, int]], dict[int, int]]:
+        """Give every adapter version of the batch a slot, and those with expert weights an expert slot too;
+        returns the loads (slot, key, source, load id) and slot -> expert slot of the loads with experts. An
+        adapter whose expert slot went to another since it was loaded is loaded again (its slot kept)."""
+        loads = dict((key, slot) for slot, key in self.slots.assign(sorted(keys), pinned=self.pinned))
+        experts = sorted(key for key in keys if self._has_experts.get(key))
+        for _, key in self.expert_slots.assign(experts, pinned=self.pinned):
+            loads.setdefault(key, self.slots.slot_of(key))
+        expert_slots = {slot: self.expert_slots.slot_of(key) for key, slot in loads.items() if key in experts}
+        loads = [(slot, key, self.cache.source(key), self.cache.load_id(key)) for key, slot in loads.items()]
+        return loads, expert_slots
 
     def load_id(self, name: str) -> int:
         """Which read of the adapter's files is resident: part of its KV's prefix-cache identity."""
@@ -167,6 +189,7 @@ class AdapterManager:
     def forget_slot(self, name: str) -> None:
         """The adapter's slot holds nothing usable (a rank failed to install it): the next batch loads it anew."""
         self.slots.remove(name)
+        self.expert_slots.remove(name)
 
     def slot_of(self, name: str | None) -> int:
         return -1 if name is None else self.slots.slot_of(name)
@@ -174,10 +197,13 @@ class AdapterManager:
     def _forget_if_unused(self, key: str) -> None:
         if not self.cache.is_registered(key) and not self.cache.is_resident(key):
             self.slots.remove(key)
+            self.expert_slots.remove(key)
             self._versions.pop(key, None)
+            self._has_experts.pop(key, None)
 
     def stats(self) -> dict:
-        return {"host_cache": self.cache.stats(), "slots": self.slots.stats()}
+        return {"host_cache": self.cache.stats(), "slots": self.slots.stats(),
+                "expert_slots": self.expert_slots.stats()}
 
     def close(self) -> None:
         self.cache.close()

@@ -41,6 +41,9 @@ class EngineConfig:
     max_lora_rank: int = 64
     lora_target_modules: tuple[str, ...] = SUPPORTED_LORA_MODULES
     lora_backend: str | None = None             # torch_native / cpu / ascend; default: the device's (lora.backends)
+    max_expert_loras: int | None = None         # MoE: adapters with expert weights per batch (their slots are
+                                                # large); None = max_loras_per_batch
+    expert_lora_memory_gb: float | None = None  # MoE: room for the expert LoRA slots; None = the device's free memory
     adapter_roots: tuple[str, ...] = ()         # allowed local adapter dirs; empty = any
     allow_hub_adapters: bool | None = None      # Hub ids as sources; default: only without adapter_roots
     lora_max_wait_steps: int = 16               # fairness bound before strict FCFS on the LoRA budget
@@ -57,6 +60,10 @@ class EngineConfig:
     # CPU: decode "captured" as an op tape replayed on the static buffers (workers/tape_graph.py), as a device
     # graph would be (width buckets, fallback, no host read): for tests and benchmarks; off = eager on the CPU
     emulate_capture: bool = False
+
+    @property
+    def num_expert_loras(self) -> int:
+        return self.max_loras_per_batch if self.max_expert_loras is None else self.max_expert_loras
 
     @property
     def hub_adapters_allowed(self) -> bool:
@@ -89,6 +96,10 @@ class EngineConfig:
              f"max_loaded_loras ({self.max_loaded_loras}) must be >= max_loras_per_batch "
              f"({self.max_loras_per_batch})")
         need(self.max_lora_rank >= 1, "max_lora_rank must be >= 1")
+        need(self.max_expert_loras is None or 1 <= self.max_expert_loras <= self.max_loras_per_batch,
+             f"max_expert_loras must be in [1, max_loras_per_batch ({self.max_loras_per_batch})] or unset")
+        need(self.expert_lora_memory_gb is None or self.expert_lora_memory_gb >= 0,
+             "expert_lora_memory_gb must be >= 0 (or unset)")
         need(self.adapter_load_timeout_s > 0, "adapter_load_timeout_s must be > 0")
         bad = set(self.lora_target_modules) - set(SUPPORTED_LORA_MODULES)
         need(not bad, f"lora_target_modules {sorted(bad)} not supported; use {SUPPORTED_LORA_MODULES}")

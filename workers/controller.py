@@ -108,7 +108,7 @@ class Controller:
             if budget <= 0 or len(self.running) + len(admitted) >= self.config.max_num_seqs:
                 break
             lora = self._lora_id(seq)
-            if lora and lora not in active and len(active) >= limit:
+            if lora and lora not in active and (len(active) >= limit or self._experts_full(lora, active)):
                 if seq.lora_skips > self.config.lora_max_wait_steps:
                     break                        # drain the running adapters for this one
                 continue
@@ -122,11 +122,10 @@ class Controller:
             admitted.append((seq, started))
             budget -= started
             self._cache_full_blocks(seq, seq.num_computed_tokens + started)
-        if len(active) >= limit:
-            for seq in self.waiting:
-                lora = self._lora_id(seq)
-                if lora and lora not in active:
-                    seq.lora_skips += 1
+        for seq in self.waiting:
+            lora = self._lora_id(seq)
+            if lora and lora not in active and (len(active) >= limit or self._experts_full(lora, active)):
+                seq.lora_skips += 1
         return admitted
 
     def _admission_order(self, active: set[str]) -> Iterator[Sequence]:
@@ -180,6 +179,12 @@ class Controller:
         self.waiting.remove(seq)
         return min(len(seq) - cached, budget)
 
+    def _experts_full(self, lora: str, active: set[str]) -> bool:
+        """MoE: `lora` has expert weights and the batch already holds max_expert_loras adapters that do."""
+        adapters = self.adapters
+        return adapters.uses_experts(lora) and \
+            sum(map(adapters.uses_experts, active)) >= adapters.max_expert_loras
+
     def _lora_id(self, seq: Sequence) -> str | None:
         """The adapter version `seq` runs on (or would, admitted now): what takes a slot."""
         if seq.adapter is None:
@@ -226,15 +231,16 @@ class Controller:
         self.waiting.appendleft(seq)
 
     def _plan(self, scheduled: list[tuple[Sequence, int]]) -> tuple[StepPlan, list[tuple[Sequence, int]]]:
-        loads = []
+        loads, expert_slots = [], {}
         if self.adapters is not None:
             names = {s.adapter_key for s in self.running if s.adapter}   # slots of chunks in progress stay too
-            loads = self.adapters.assign_slots(names) if names else []
+            loads, expert_slots = self.adapters.assign_slots(names) if names else ([], {})
         slot_of = self.adapters.slot_of if self.adapters is not None else (lambda _: -1)
         # Decodes first, then chunks; within each, by slot: one LoRA segment per adapter.
         scheduled.sort(key=lambda item: (item[1] > 1 or item[0].num_uncomputed > 1, slot_of(item[0].adapter_key)))
         plan = StepPlan(input_ids=[], positions=[], query_lens=[], seq_lens=[], block_tables=[], lora_slots=[],
-                        lora_loads=loads, sampler_inits=[self._sampler_init(s) for s in self._new_sampler_slots])
+                        lora_loads=loads, lora_expert_slots=expert_slots,
+                        sampler_inits=[self._sampler_init(s) for s in self._new_sampler_slots])
         for seq, n in scheduled:
             start, p = seq.num_computed_tokens, seq.params
             plan.input_ids += seq.token_ids[start:start + n]

@@ -48,6 +48,7 @@ class LLMEngine:
             self.adapters = AdapterManager(spec, max_lora_rank=config.max_lora_rank,
                                            max_loaded_loras=config.max_loaded_loras,
                                            max_loras_per_batch=config.max_loras_per_batch,
+                                           max_expert_loras=config.num_expert_loras,
                                            adapter_roots=config.adapter_roots,
                                            allow_hub=config.hub_adapters_allowed,
                                            pin_memory=self._copies_to_its_device(),

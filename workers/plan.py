@@ -22,6 +22,7 @@ class StepPlan:
     # (slot, adapter, source, load id) to load first; the load id names the controller's read of the
     # files, so a rank's own copy keyed by it is re-read whenever the controller's was
     lora_loads: list[tuple[int, str, str, int]] = field(default_factory=list)
+    lora_expert_slots: dict[int, int] = field(default_factory=dict)   # slot -> expert slot, loads with experts
     samples: list[bool] = field(default_factory=list)
     temperatures: list[float] = field(default_factory=list)
     top_ks: list[int] = field(default_factory=list)

@@ -5,6 +5,7 @@ A pure decode step goes through the GraphRunner (captured on CUDA / NPU); every 
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -13,8 +14,10 @@ import torch
 
 from lora.adapter import LoRAAdapter
 from lora.backends import get_backend
+from lora.expert_layers import wrap_experts
+from lora.expert_memory import check_expert_slots, free_memory
 from lora.layers import wrap_model
-from lora.modules import MODULE_GROUPS, PACKED_MODULES
+from lora.modules import EXPERT_GROUPS, MODULE_GROUPS, PACKED_MODULES
 from lora.slots import GroupShape, SlotPool
 from lora.transfer import to_device
 from workers.adapters import display_name
@@ -25,6 +28,7 @@ from workers.graph_runner import GraphRunner
 from workers.kv_cache import KVCache, blocks_needed
 from workers.models.llama import LlamaForCausalLM
 from workers.models.loader import load_weights
+from workers.models.registry import model_class
 from workers.parallel import TPGroup, prepack_linears
 from workers.plan import StepOutput, StepPlan
 from workers.quant.description import W8A8Spec
@@ -32,6 +36,7 @@ from workers.quant.kernels import w8a8_kernel
 from workers.quant.w8a8_linear import finish_loading, quantize_linears
 from workers.sampler import SamplerState, SamplingTensors, sample
 
+log = logging.getLogger(__name__)
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -55,26 +60,31 @@ def lora_shard(model: LlamaForCausalLM):
     embed_tokens: both replicated, the delta is added after the embedding's all-reduce.
     The LM head's shard has padding rows (past the vocabulary, or up to a multiple of 16),
     zero like the base's, so even one rank needs this. Which module is cut how is
-    lora/modules.py's table; every layer has layer 0's shapes.
+    lora/modules.py's table; every layer that has a module has the first one's shapes.
+    MoE experts are cut the same way on their last two dims (a [E, r, in], b [E, out, r]).
     """
-    first, lm_head = model.layers[0], model.lm_head
+    lm_head = model.lm_head
     column, row = {}, {}
     for group in PACKED_MODULES:
-        if group.parallel == "column":
-            column.update({m: (first.get_submodule(group.path), s) for s, m in enumerate(group.modules)})
-        elif group.parallel == "row":
-            row.update({m: first.get_submodule(group.path) for m in group.modules})
+        layers = layers_with(model, group.path)
+        if not layers:
+            continue
+        first = model.layers[layers[0]].get_submodule(group.path)
+        if group.parallel in ("column", "expert_column"):
+            column.update({m: (first, s) for s, m in enumerate(group.modules)})
+        elif group.parallel in ("row", "expert_row"):
+            row.update({m: first for m in group.modules})
 
     def shard(module: str, weights) -> tuple[torch.Tensor, torch.Tensor]:
         a, b = weights.lora_a, weights.lora_b
         if module in column:
             layer, index = column[module]
             start, size = layer.shard_range(index)
-            return a, b[start:start + size]
+            return a, b[..., start:start + size, :]
         if module in row:
             n = row[module].in_features
             start = row[module].tp.rank * n
-            return a[:, start:start + n], b
+            return a[..., start:start + n], b
         if module == "lm_head":
             local = b.new_zeros(lm_head.shard_size, b.shape[1])
             rows = b[lm_head.vocab_start:lm_head.vocab_start + lm_head.shard_size]
@@ -83,6 +93,20 @@ def lora_shard(model: LlamaForCausalLM):
         return a, b
 
     return shard
+
+
+def layers_with(model, path: str | None) -> list[int]:
+    """The decoder layers that have the module at `path` (MoE: experts in sparse layers, MLPs in dense ones)."""
+    if path is None:
+        return []
+    found = []
+    for i, layer in enumerate(model.layers):
+        try:
+            layer.get_submodule(path)
+        except AttributeError:
+            continue
+        found.append(i)
+    return found
 
 
 class ModelRunner:
@@ -95,7 +119,7 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(device):
-                self.model = LlamaForCausalLM(cfg, tp, runtime.max_model_len).eval()
+                self.model = model_class(cfg)(cfg, tp, runtime.max_model_len).eval()
         finally:
             torch.set_default_dtype(previous)
         if runtime.quantization is not None:
@@ -104,6 +128,8 @@ class ModelRunner:
         finish_loading(self.model)
         if platform.name == "cpu" and config.prepack_weights is not False:
             prepack_linears(self.model)
+            if hasattr(self.model, "prepack_experts"):
+                self.model.prepack_experts()
         attn = self.model.layers[0].self_attn
         self.kv_cache = KVCache(cfg.num_hidden_layers, runtime.num_kv_blocks, config.kv_block_size,
                                 attn.num_kv_heads, attn.head_dim, self.dtype, device)
@@ -119,7 +145,7 @@ class ModelRunner:
                                         lora_backend=self.lora_backend)
 
     def _init_lora(self) -> SlotPool:
-        cfg, first = self.runtime.hf_config, self.model.layers[0]
+        cfg = self.runtime.hf_config
         wanted = {MODULE_GROUPS[module][0] for module in self.config.lora_target_modules}
         groups = {}
         for group in PACKED_MODULES:
@@ -129,15 +155,29 @@ class ModelRunner:
                 groups[group.name] = GroupShape(cfg.vocab_size, (cfg.hidden_size,))
             elif group.parallel == "lm_head":
                 groups[group.name] = GroupShape(cfg.hidden_size, (self.model.lm_head.shard_size,))
-            else:                                  # this rank's in_features (row) / out_sizes (column)
-                base = first.get_submodule(group.path)
-                groups[group.name] = GroupShape(base.in_features, tuple(base.out_sizes))
+            elif layers := layers_with(self.model, group.path):   # this rank's in_features / out_sizes
+                base = self.model.layers[layers[0]].get_submodule(group.path)
+                experts = base.num_experts if group.name in EXPERT_GROUPS else 0
+                groups[group.name] = GroupShape(base.in_features, tuple(base.out_sizes), tuple(layers), experts)
+        self._check_expert_slots(groups)
         pool = SlotPool(cfg.num_hidden_layers, groups, self.config.max_loras_per_batch, self.config.max_lora_rank,
-                        self.dtype, self.device, shard=lora_shard(self.model))
+                        self.dtype, self.device, shard=lora_shard(self.model),
+                        num_expert_slots=self.config.num_expert_loras)
         # chosen once (the Ascend kernels' probe runs here); each layer's ops are bound by it below
         self.lora_backend = get_backend(self.config.lora_backend, self.device, self.dtype, self.config.max_lora_rank)
         wrap_model(self.model, pool.buffers, self.lora_backend)
+        wrap_experts(self.model, self.lora_backend, pool)
         return pool
+
+    def _check_expert_slots(self, groups: dict) -> None:
+        """MoE: the expert slots' memory, said once at start-up (rank 0); refused before allocation if too big."""
+        gb = self.config.expert_lora_memory_gb
+        budget, source = ((lambda: int(gb * 2 ** 30)), "expert_lora_memory_gb") if gb is not None else \
+            ((lambda: free_memory(self.device)), f"free on {self.device.type}")
+        report = check_expert_slots(groups, self.runtime.hf_config.num_hidden_layers, self.config.num_expert_loras,
+                                    self.config.max_lora_rank, self.dtype, budget, source)
+        if report and self.tp.rank == 0:
+            log.info(report)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
@@ -171,7 +211,7 @@ class ModelRunner:
         failed = {}
         for slot, name, source, load_id in plan.lora_loads:
             try:
-                self.slot_pool.load(slot, self.get_adapter(name, source, load_id))
+                self.slot_pool.load(slot, self.get_adapter(name, source, load_id), plan.lora_expert_slots.get(slot))
             except Exception as exc:  # noqa: BLE001  (reported per adapter, the engine carries on)
                 self.slot_pool.clear(slot)
                 failed[name] = f"adapter {display_name(name)!r} could not be installed on rank {self.tp.rank}: {exc}"

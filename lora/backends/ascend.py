@@ -285,7 +285,8 @@ class AscendBackend(LoRABackend):
             fields = dict(token_slots=packed[:T], seg_lens=packed[T:T + S], seg_slots=packed[T + S:])
         else:                    # bgmv reads only the per-token slots
             fields = dict(token_slots=to_device(token_slots, self.device, self.contract.index_dtype))
-        return LoRABatchInfo(phase=phase, plan=plan, any_lora=any_lora, max_rank=self.max_rank, **fields)
+        return LoRABatchInfo(phase=phase, plan=plan, any_lora=any_lora, max_rank=self.max_rank,
+                             token_slots_host=tuple(token_slots), **fields)
 
     def bind(self, layer: str, a: torch.Tensor, b: Sequence[torch.Tensor], offsets: Sequence[int]) -> LayerLoRA:
         y, x = torch.empty(0, offsets[-1], dtype=self.dtype), torch.empty(0, a.shape[2], dtype=self.dtype)

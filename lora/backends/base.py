@@ -62,7 +62,7 @@ class LoRABackend:
         """The eager phases (prefill / decode): the step's tokens grouped by adapter."""
         lens, slots = segments(token_slots)
         plan = plan_step(tuple(lens), tuple(slots), tuple(slot_ranks), self.max_rank, self.device, self.plan_split)
-        return LoRABatchInfo(phase=phase, plan=plan, max_rank=self.max_rank)
+        return LoRABatchInfo(phase=phase, plan=plan, max_rank=self.max_rank, token_slots_host=tuple(token_slots))
 
     def graph_info(self, token_slots: torch.Tensor) -> LoRABatchInfo:
         """A captured decode: only the static slot-per-token buffer, read on the device."""

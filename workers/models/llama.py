@@ -41,8 +41,9 @@ class Attention(nn.Module):
                                           cfg.num_key_value_heads, bias, tp)
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, False, tp)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.model_type == "qwen3" else None
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.model_type == "qwen3" else None
+        qk_norm = cfg.model_type in ("qwen3", "qwen3_moe")
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.rope = rope
         self.scale = self.head_dim ** -0.5
 
@@ -73,12 +74,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, layer_index: int, tp: TPGroup, rope: RotaryEmbedding):
+    def __init__(self, cfg, layer_index: int, tp: TPGroup, rope: RotaryEmbedding, mlp: nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_index, tp, rope)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, tp)
+        self.mlp = mlp
 
     def forward(self, x, batch: ForwardBatch, kv):
         x = x + self.self_attn(self.input_layernorm(x), batch, kv)
@@ -88,20 +89,26 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     # fused module -> the checkpoint modules stacked in it (qkv_proj, gate_up_proj), for the loader
     packed_modules_mapping = PACKED_MODULES_MAPPING
+    model_types = SUPPORTED_MODEL_TYPES
 
     def __init__(self, cfg, tp: TPGroup, max_positions: int):
         super().__init__()
-        if cfg.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model_type {cfg.model_type!r} is not supported ({SUPPORTED_MODEL_TYPES})")
+        if cfg.model_type not in self.model_types:
+            raise ValueError(f"model_type {cfg.model_type!r} is not supported ({self.model_types})")
         self.config = cfg
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         rope = RotaryEmbedding(cfg, head_dim, max_positions)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, rope) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, rope, self.make_mlp(cfg, i, tp))
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def make_mlp(self, cfg, index: int, tp: TPGroup) -> nn.Module:
+        """Layer `index`'s MLP (Qwen3-MoE: a sparse block in most layers, workers/models/qwen3_moe.py)."""
+        return MLP(cfg, tp)
 
     def forward(self, batch: ForwardBatch, kv_cache) -> torch.Tensor:
         """Logits [len(batch.logits_indices), vocab] in fp32."""

@@ -66,7 +66,9 @@ def load_weights(model: nn.Module, path: Path) -> None:
     for file in safetensors_files(path):
         with safe_open(os.fspath(file), framework="pt") as f:
             for name in f.keys():
-                target, shard = _target(name, packed)
+                # a model with its own checkpoint layout (Qwen3-MoE's experts) maps its names itself
+                target, shard = model.checkpoint_target(name) if hasattr(model, "checkpoint_target") \
+                    else _target(name, packed)
                 if target not in params:
                     if not name.endswith(HARMLESS_SUFFIXES):
                         unconsumed.append(name)
@@ -92,3 +94,5 @@ def load_weights(model: nn.Module, path: Path) -> None:
     missing = set(params) - loaded - tied
     if missing:
         raise ValueError(f"checkpoint {str(path)!r} is missing weights: {sorted(missing)[:8]}")
+    if hasattr(model, "check_loaded"):   # pieces of one parameter (per-expert keys) the set above cannot see
+        model.check_loaded(path)

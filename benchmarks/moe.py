@@ -1,0 +1,197 @@
+"""Qwen3-MoE with LoRA: 8 adapters against the base, and against HF transformers + PEFT, in one run.
+
+    .venv/bin/python -m benchmarks.moe [--dtype bfloat16] [--sizes '{"rounds": 3}']
+
+The checkpoint has Qwen3-30B-A3B's shape scaled down to fit here: top-8 routing over 64 experts (128
+halved), its expert-to-hidden ratio (768 / 2048 = 0.375: hidden 512, expert intermediate 192), its
+attention ratios (q heads x head_dim = 2 x hidden, 8 q heads per kv head), every layer sparse, 4
+layers. Adapters: rank 16 on q/k/v/o and on every expert's gate/up/down (PEFT 0.21 target_parameters,
+made by PEFT itself so that PEFT loads them back). Workloads (greedy, ignore_eos, one wave of `batch`
+requests, equal prompt lengths): base only, and 8 adapters uniformly mixed. Rounds alternate the runs
+(order rotated) and every ratio is taken within one round; medians over rounds are reported.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from benchmarks.checkpoint import DTYPES, _publish, _write_tokenizer, cache_root
+from benchmarks.common import (FULL, Sizes, bench_main, machine_info, make_prompts, median, run_requests,
+                               set_threads, sizes_dict)
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    hidden_size: int = 512
+    moe_intermediate_size: int = 192
+    num_experts: int = 64
+    num_experts_per_tok: int = 8
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    num_hidden_layers: int = 4
+    vocab_size: int = 8192
+    intermediate_size: int = 1536      # dense layers (none here: every layer is sparse, as in Qwen3-30B-A3B)
+    max_position_embeddings: int = 4096
+
+    @property
+    def tag(self) -> str:
+        return f"qwen3moe-h{self.hidden_size}-e{self.num_experts}k{self.num_experts_per_tok}-l{self.num_hidden_layers}"
+
+
+SHAPE = MoeShape()
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def build_checkpoint(dtype: str, shape: MoeShape = SHAPE) -> Path:
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    def build(tmp: Path) -> None:
+        cfg = Qwen3MoeConfig(**vars(shape), norm_topk_prob=True, rms_norm_eps=1e-6, initializer_range=0.02,
+                             tie_word_embeddings=False, eos_token_id=1, pad_token_id=0, bos_token_id=None,
+                             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        with torch.no_grad():   # transformers initialises the router to zeros: every token would pick experts 0-7
+            for name, p in model.named_parameters():
+                if name.endswith("mlp.gate.weight"):
+                    p.normal_(std=0.05)
+        model.to(DTYPES[dtype]).save_pretrained(tmp, safe_serialization=True)
+        _write_tokenizer(tmp, shape.vocab_size)
+
+    return _publish(build, cache_root() / f"{shape.tag}-{dtype}")
+
+
+def build_adapters(model_dir: Path, count: int, rank: int, dtype: str, shape: MoeShape = SHAPE) -> list[Path]:
+    """PEFT adapters on attention and experts, B random (PEFT's zero B would add nothing)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    paths = []
+    for i in range(count):
+        def build(tmp: Path, i=i) -> None:
+            base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+            model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=ATTENTION,
+                                                    target_parameters=EXPERTS, lora_dropout=0.0))
+            gen = torch.Generator().manual_seed(1000 + i)
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if "lora_B" in name:
+                        p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+            model.save_pretrained(tmp, safe_serialization=True)
+
+        paths.append(_publish(build, cache_root() / f"adapters-{shape.tag}-r{rank}-{dtype}" / f"lora-{i:04d}"))
+    return paths
+
+
+def make_engine(model_dir: Path, dtype: str, sizes: Sizes):
+    from workers import EngineConfig, LLMEngine
+
+    return LLMEngine(EngineConfig(
+        model=str(model_dir), dtype=dtype, device="cpu", seed=sizes.seed, max_num_seqs=sizes.batch,
+        max_model_len=sizes.prompt_len + sizes.max_tokens + 16, max_loras_per_batch=8, max_loaded_loras=8,
+        max_lora_rank=sizes.rank, kv_cache_memory_gb=0.5, cpu_threads=sizes.threads,
+        max_num_batched_tokens=max(2048, sizes.batch * sizes.prompt_len),
+        lora_target_modules=(*ATTENTION, "experts.gate_proj", "experts.up_proj", "experts.down_proj")))
+
+
+def load_peft(model_dir: Path, paths: list[Path], dtype: str):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).eval()
+    model = PeftModel.from_pretrained(base, paths[0], adapter_name="lora-0000").eval()
+    for i, path in enumerate(paths[1:], 1):
+        model.load_adapter(path, adapter_name=f"lora-{i:04d}")
+    model.generation_config.eos_token_id = None
+    torch.set_grad_enabled(False)
+    return model
+
+
+def run_peft(model, prompts, adapters, max_tokens: int) -> dict:
+    """PEFT's LoRA on parameters merges the delta into the weight for the forward (ParamWrapper), so it has no
+    mixed-adapter batch: the requests of each adapter run as their own static batch (equal lengths, no padding)."""
+    import torch
+
+    start, produced = time.perf_counter(), 0
+    for name in dict.fromkeys(adapters):
+        ids = torch.tensor([p for p, a in zip(prompts, adapters) if a == name])
+        with torch.inference_mode():
+            if name is None:
+                with model.disable_adapter():
+                    out = _generate(model, ids, max_tokens)
+            else:
+                model.set_adapter(name)
+                out = _generate(model, ids, max_tokens)
+        produced += (out.shape[1] - ids.shape[1]) * ids.shape[0]
+    wall = time.perf_counter() - start
+    return {"wall_s": wall, "output_tokens": produced, "output_tok_s": produced / wall}
+
+
+def _generate(model, ids, max_tokens):
+    import torch
+
+    return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                          min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+
+
+def run(sizes: Sizes = FULL, dtype: str = "bfloat16", rounds: int | None = None, log=print,
+        shape: MoeShape = SHAPE) -> dict:
+    sizes = replace(sizes, num_requests=sizes.batch, shape=shape)   # one wave of `batch` requests
+    set_threads(sizes.threads)
+    rounds = rounds or sizes.peer_rounds
+    model_dir = build_checkpoint(dtype, shape)
+    paths = build_adapters(model_dir, 8, sizes.rank, dtype, shape)
+    prompts = make_prompts(sizes)
+    plans = {"base": [None] * sizes.batch, "eight": [f"lora-{i % 8:04d}" for i in range(sizes.batch)]}
+    engine = make_engine(model_dir, dtype, sizes)
+    for i, path in enumerate(paths):
+        engine.load_adapter(f"lora-{i:04d}", str(path))
+    peft = load_peft(model_dir, paths, dtype)
+    for w in plans:   # warm-up of both systems, untimed
+        run_requests(engine, prompts, plans[w], 2)
+    run_peft(peft, prompts[:8], plans["eight"][:8], 2)
+
+    runs = [("ours", "eight"), ("ours", "base"), ("peft", "eight"), ("peft", "base")]
+    per_round = []
+    for r in range(rounds):
+        results = {}
+        for system, w in runs[r % len(runs):] + runs[:r % len(runs)]:
+            if system == "ours":
+                t = run_requests(engine, prompts, plans[w], sizes.max_tokens)
+                results[f"ours_{w}"] = t.summary()
+            else:
+                results[f"peft_{w}"] = run_peft(peft, prompts, plans[w], sizes.max_tokens)
+            log(f"  round {r + 1}/{rounds} {system:>4} {w:>5}: {results[f'{system}_{w}']['output_tok_s']:7.1f} "
+                "out tok/s")
+        per_round.append(results)
+    engine.close()
+    del engine, peft
+    gc.collect()
+
+    def ratio(a, b, key="output_tok_s"):
+        return median([x[a][key] / x[b][key] for x in per_round])
+
+    return {"benchmark": "moe", "dtype": dtype, "shape": vars(shape), "sizes": sizes_dict(sizes),
+            "machine": machine_info(),
+            "output_tok_s": {key: median([x[key]["output_tok_s"] for x in per_round]) for key in per_round[0]},
+            "eight_over_base": ratio("ours_eight", "ours_base"),
+            "eight_over_base_decode": ratio("ours_eight", "ours_base", "decode_tok_s"),
+            "ours_over_peft_eight": ratio("ours_eight", "peft_eight"),
+            "ours_over_peft_base": ratio("ours_base", "peft_base"),
+            "rounds": per_round}
+
+
+def main(argv=None) -> dict:
+    return bench_main("moe", __doc__, run, argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""LoRA on the experts of a mixture-of-experts block (Qwen3-MoE), through the ordinary LoRA ops.
+
+The block computes its experts on (token, choice) rows. Row n belongs to token t = rows.token[n] and
+expert e = rows.expert[n]; with m the expert slot of the token's adapter (the slot pool's
+expert_slot_of[slot]; -1 for the base and for adapters without expert weights), its LoRA pair is
+block m*E + e of the expert buffers (lora/slots.py), the one combined (slot, expert) index per row
+that vllm-ascend gives its bgmv kernels. So the rows get a LoRA batch info over combined indices, built
+by the runner's backend like any other (eager: the step's rows grouped by index; graph: the index per
+row computed on the device), and each projection's LoRA is a plain stacked layer op bound once by the
+backend:
+
+    gate_up[n] += x[n] @ A13[m*E + e].T @ B13[m*E + e].T    (gate and up slices, A replicated)
+    down[n]    += act[n] @ A2[m*E + e].T @ B2[m*E + e].T     (A cut on the input columns, B replicated)
+
+before the block's one all-reduce, as for the row-parallel linears. Duck-typed against
+workers/models/qwen3_moe.py's MoeExperts (`gate_up`, `act`, `down`, `combine`).
+"""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from lora.backends.base import LayerLoRA, LoRABackend
+from lora.batch import LoRABatchInfo
+
+
+class ExpertRanks(Sequence):
+    """Rank per combined index m*E + e: the expert slot's rank (read live: slot loads update it)."""
+
+    def __init__(self, slot_ranks: list[int], num_experts: int):
+        self.slot_ranks, self.num_experts = slot_ranks, num_experts
+
+    def __len__(self) -> int:
+        return len(self.slot_ranks) * self.num_experts
+
+    def __getitem__(self, index: int) -> int:
+        return self.slot_ranks[index // self.num_experts]
+
+    def __iter__(self):   # batch_info copies it once a layer: M*E values, without a Python call each
+        return itertools.chain.from_iterable(itertools.repeat(r, self.num_experts) for r in self.slot_ranks)
+
+
+class MoeExpertsLoRA(nn.Module):
+    """The experts with each row's adapter delta added to its gate/up and down outputs."""
+
+    def __init__(self, base: nn.Module, gate_up: LayerLoRA | None, down: LayerLoRA | None, backend: LoRABackend,
+                 pool):
+        super().__init__()
+        self.base, self.gate_up_op, self.down_op = base, gate_up, down
+        self.backend, self.ranks = backend, ExpertRanks(pool.expert_ranks, base.num_experts)
+        self.expert_slot_of, self.expert_slot_of_device = pool.expert_slot_of, pool.expert_slot_of_device
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("base"), name)
+
+    def row_info(self, rows, lora: LoRABatchInfo | None) -> LoRABatchInfo | None:
+        """The rows' LoRA batch info over combined (slot, expert) indices; None when no row has an adapter."""
+        if lora is None or not (lora.use_graph or lora.has_lora):
+            return None
+        E = self.base.num_experts
+        if lora.use_graph:   # on the device, fixed shapes: an index per row, -1 for base rows
+            token_slots = lora.token_slots[rows.token]
+            slots = self.expert_slot_of_device[token_slots.clamp(min=0).long()]
+            slots = torch.where(token_slots >= 0, slots, -1)
+            # in the index dtype the backend gave the token slots (the Ascend contract's)
+            combined = torch.where(slots >= 0, slots * E + rows.expert, -1).to(token_slots.dtype)
+            return self.backend.graph_info(combined)
+        expert_slots = [self.expert_slot_of[s] if s >= 0 else -1 for s in lora.token_slots_host]
+        slots = torch.tensor(expert_slots, dtype=torch.int64)[rows.token.cpu()]
+        combined = torch.where(slots >= 0, slots * E + rows.expert.cpu(), -1).tolist()
+        info = self.backend.batch_info(combined, self.ranks, lora.phase)
+        return info if info.has_lora else None
+
+    def forward(self, x: torch.Tensor, rows, lora: LoRABatchInfo | None = None) -> torch.Tensor:
+        info = self.row_info(rows, lora)
+        if info is None:
+            return self.base(x, rows)
+        xs = x[rows.token]
+        h = self.base.gate_up(xs, rows)
+        if self.gate_up_op is not None:
+            self.gate_up_op(h, xs, info)
+        act = self.base.act(h)
+        y = self.base.down(act, rows)
+        if self.down_op is not None:
+            self.down_op(y, act, info)
+        return self.base.combine(y, rows, x.shape[0])
+
+
+def wrap_experts(model: nn.Module, backend: LoRABackend, pool) -> int:
+    """Wrap every MoE block's experts that have expert LoRA buffers in `pool` (lora.slots.SlotPool: its
+    buffers, expert ranks and slot -> expert slot map); returns how many were wrapped."""
+    wrapped = 0
+    for index, layer in enumerate(model.layers):
+        gate_up, down = pool.buffers.get((index, "experts_gate_up")), pool.buffers.get((index, "experts_down"))
+        if gate_up is None and down is None:
+            continue
+        base = layer.mlp.experts
+        ops = []
+        for name, pair in (("experts_gate_up", gate_up), ("experts_down", down)):
+            if pair is None:
+                ops.append(None)
+                continue
+            a, b = pair
+            offsets = [0]
+            for b_s in b:
+                offsets.append(offsets[-1] + b_s.shape[1])
+            ops.append(backend.bind(f"{index}.{name}", a, b, tuple(offsets)))
+        layer.mlp.experts = MoeExpertsLoRA(base, *ops, backend, pool)
+        wrapped += 1
+    return wrapped
