@@ -10,6 +10,7 @@ not fit is refused before anything is allocated, with what would fit.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -30,9 +31,13 @@ def expert_slot_bytes(groups: dict, num_layers: int, max_rank: int, dtype: torch
 
 def free_memory(device: torch.device) -> int | None:
     """Bytes free on `device` now (host memory for the CPU); None where the runtime cannot say."""
-    if device.type == "cpu":
-        import psutil
-        return psutil.virtual_memory().available
+    if device.type == "cpu":   # Linux's estimate of what can be allocated without swapping (no psutil at run time)
+        try:
+            with open("/proc/meminfo") as meminfo:
+                fields = dict(line.split(":", 1) for line in meminfo)
+            return int(fields["MemAvailable"].split()[0]) * 1024
+        except (OSError, KeyError, ValueError):
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     mem_get_info = getattr(getattr(torch, device.type, None), "mem_get_info", None)
     return mem_get_info(device)[0] if mem_get_info is not None else None
 

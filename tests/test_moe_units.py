@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 import pytest
 import torch
@@ -243,3 +244,12 @@ def test_pinning_keeps_an_expert_slot_free(model, tmp_path):
         engine.load_adapter("e1", str(experts[1]))
     finally:
         engine.close()
+
+
+def test_free_host_memory_is_read_without_psutil():
+    """The CPU budget comes from /proc/meminfo (psutil is only a test dependency, through peft)."""
+    from lora.expert_memory import free_memory
+
+    free = free_memory(torch.device("cpu"))
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert 0 < free <= total
