@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from deployments.config import DEMO_MODEL, LLMConfig
+from lora.modules import SUPPORTED_MODULES as SUPPORTED_LORA_MODULES
 
 DEFAULT_APP_NAME = "loraserve"
 SHUTDOWN_GRACE_S = 8.0    # after SIGTERM the process is gone within this, whatever hangs (orchestrators wait 10+)
@@ -47,6 +48,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     run.add_argument("--max-loras-per-batch", type=int, default=4)
     run.add_argument("--max-loaded-loras", type=int, default=16)
     run.add_argument("--max-model-len", type=int, default=None)
+    run.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoding at once per replica")
+    run.add_argument("--lora-target-modules", nargs="+", default=None, choices=SUPPORTED_LORA_MODULES,
+                     metavar="MODULE",
+                     help="modules that get LoRA buffers (default: every supported one: "
+                          f"{' '.join(SUPPORTED_LORA_MODULES)}); adapters targeting others are refused. "
+                          "Leaving out embed_tokens / lm_head saves their vocabulary-sized buffers and work")
     run.add_argument("--max-num-batched-tokens", type=int, default=None,
                      help="tokens per engine step, decodes first (default per device: 128 on cpu, 2048 else)")
     run.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
@@ -96,7 +103,17 @@ def config_from_args(args: argparse.Namespace) -> LLMConfig:
                      enable_prefix_caching=args.enable_prefix_caching, api_key=args.api_key,
                      enable_hotload=args.enable_hotload, adapter_roots=args.adapter_root,
                      placement_timeout_s=args.placement_timeout or None,
-                     engine_kwargs={"cpu_threads": args.cpu_threads} if args.cpu_threads else {})
+                     max_num_seqs=args.max_num_seqs, engine_kwargs=_engine_kwargs(args))
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    """EngineConfig fields the CLI sets that LLMConfig does not name (passed through as engine_kwargs)."""
+    kwargs = {}
+    if args.cpu_threads:
+        kwargs["cpu_threads"] = args.cpu_threads
+    if args.lora_target_modules:
+        kwargs["lora_target_modules"] = tuple(dict.fromkeys(args.lora_target_modules))
+    return kwargs
 
 
 def serve_forever(args: argparse.Namespace) -> int:

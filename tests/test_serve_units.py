@@ -135,6 +135,17 @@ def test_cli_arguments_become_the_config():
         config_from_args(parse_args(["serve", "--lora", "nameonly"]))
 
 
+def test_cli_takes_vllms_max_num_seqs_and_the_lora_target_modules(capsys):
+    engine = config_from_args(parse_args(["serve", "--max-num-seqs", "8", "--lora-target-modules", "q_proj",
+                                          "v_proj", "q_proj", "--cpu-threads", "2"])).engine_config()
+    assert (engine.max_num_seqs, engine.lora_target_modules, engine.cpu_threads) == (8, ("q_proj", "v_proj"), 2)
+    default = config_from_args(parse_args(["serve"])).engine_config()
+    assert default.max_num_seqs == 64 and "lm_head" in default.lora_target_modules
+    with pytest.raises(SystemExit):
+        parse_args(["serve", "--lora-target-modules", "q_proj", "qproj"])
+    assert "invalid choice: 'qproj'" in capsys.readouterr().err
+
+
 def _digest(root: Path) -> str:
     digest = hashlib.sha256()
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
