@@ -2,7 +2,8 @@
 
 The mirror polls the registry's version every `sync_interval_s` (also
 reporting its stats), and on a change it unloads adapters that were removed
-and reloads those whose source changed. A replica started later by
+and reloads those whose source changed, or whose weights another replica's
+hot-load found changed at the same source (the registry's revision). A replica started later by
 autoscaling reads the same registry, so it serves every hot-loaded adapter.
 A hot-load or unload returns only once every live replica has applied it
 (bounded wait), so "unloaded" means unloaded everywhere. While the registry
@@ -35,7 +36,9 @@ class AdapterMirror:
         self._stats = stats
         self.version = -1
         self.sources: dict[str, str] = {}
+        self.revisions: dict[str, int] = {}  # the registry's: bumped when a source's weights were renewed
         self.loaded = dict(loaded)          # name -> source, as registered in this replica's engine
+        self.loaded_revisions: dict[str, int] = {}   # name -> the revision this engine read it at
         self._lock = asyncio.Lock()         # one adapter change at a time in this engine
         self._sync_lock = asyncio.Lock()
 
@@ -50,7 +53,7 @@ class AdapterMirror:
     async def snapshot(self) -> dict[str, str]:
         """The registry's adapters now, or this replica's last copy while the registry is down."""
         try:
-            _, sources = await self.registry.call(lambda registry: registry.snapshot.remote())
+            _, sources, _ = await self.registry.call(lambda registry: registry.snapshot.remote())
             return sources
         except RegistryUnavailableError:
             return dict(self.sources)
@@ -65,7 +68,7 @@ class AdapterMirror:
                 return None
             start = time.perf_counter()
             await self.engine.load_adapter(name, source)
-            self.loaded[name] = source
+            self.loaded[name], self.loaded_revisions[name] = source, self.revisions.get(name, 0)
             return time.perf_counter() - start
 
     async def load(self, name: str, source: str) -> tuple[float, str]:
@@ -82,17 +85,23 @@ class AdapterMirror:
                 raise AdapterError(str(exc)) from exc
             self.loaded[name] = source
             seconds = time.perf_counter() - start
-        # not published (the registry is down): the next sync unloads it here again, as it is not registered
-        await self._publish(lambda registry: registry.register.remote(name, source))
+        # not published (the registry is down): the next sync unloads it here again, as it is not registered.
+        # "replaced" from an unchanged source means its files changed: a new revision makes every other
+        # replica read them again; this one has just read them at that revision
+        renewed = status == "replaced"
+        version, revision = await self.registry.call(lambda registry: registry.register.remote(name, source, renewed))
+        if self.loaded.get(name) == source:
+            self.loaded_revisions[name] = revision
+        await self._until_applied(version)
         return seconds, status
 
     async def unload(self, name: str) -> None:
-        await self._publish(lambda registry: registry.unregister.remote(name), name)
-
-    async def _publish(self, change, unknown: str | None = None) -> None:
-        version = await self.registry.call(change)
+        version = await self.registry.call(lambda registry: registry.unregister.remote(name))
         if version is None:
-            raise AdapterNotFoundError(f"adapter {unknown!r} is not loaded (known: {sorted(self.sources)})")
+            raise AdapterNotFoundError(f"adapter {name!r} is not loaded (known: {sorted(self.sources)})")
+        await self._until_applied(version)
+
+    async def _until_applied(self, version: int) -> None:
         await self.sync()   # this replica first, so the caller's next request here already sees it
         lagging = await self.registry.call(lambda registry: registry.wait_applied.remote(version),
                                            APPLY_TIMEOUT_S + CALL_TIMEOUT_S)
@@ -105,8 +114,8 @@ class AdapterMirror:
         async with self._sync_lock:   # two overlapping syncs could apply an older snapshot last
             current = await self._report()
             if current != self.version:
-                version, sources = await self.registry.call(lambda registry: registry.snapshot.remote())
-                await self._apply(sources)
+                version, sources, revisions = await self.registry.call(lambda registry: registry.snapshot.remote())
+                await self._apply(sources, revisions)
                 self.version = version
                 await self._report()
 
@@ -120,22 +129,23 @@ class AdapterMirror:
         except Exception as exc:  # noqa: BLE001  (a dead engine still reports, as unhealthy)
             return {"healthy": False, "error": repr(exc)}
 
-    async def _apply(self, sources: dict[str, str]) -> None:
+    async def _apply(self, sources: dict[str, str], revisions: dict[str, int]) -> None:
         async with self._lock:
             for name, old in list(self.loaded.items()):
-                new = sources.get(name)
-                if new == old:
+                new, revision = sources.get(name), revisions.get(name, 0)
+                if new == old and revision == self.loaded_revisions.get(name, 0):
                     continue
                 self.loaded.pop(name)
+                self.loaded_revisions.pop(name, None)
                 try:
                     if new is None:
                         await self.engine.unload_adapter(name)   # running requests keep their weights
                     else:
                         await self.engine.load_adapter(name, new)
-                        self.loaded[name] = new
+                        self.loaded[name], self.loaded_revisions[name] = new, revision
                 except AdapterError:
                     pass     # a bad new source, or old weights still in use: the next request retries
-            self.sources = sources
+            self.sources, self.revisions = sources, revisions
 
     async def run(self) -> None:
         """The replica's background task: sync forever (errors are retried; the registry may restart)."""

@@ -59,6 +59,9 @@ class AdapterRegistry:
     def __init__(self, app_name: str, key: str, sync_interval_s: float, app_check_s: float = APP_CHECK_S):
         self._app_name, self._key, self._app_check_s = app_name, key, app_check_s
         self._sources: dict[str, str] = {}
+        # name -> how often its weights were renewed: a hot-load that read other weights from the same
+        # source bumps it, so every replica re-reads that source (a source string alone would not change)
+        self._revisions: dict[str, int] = {}
         self._seeded: set[tuple[str, str]] = set()
         self._version = 0
         self._stale_after_s = max(3.0, 10 * sync_interval_s)
@@ -67,13 +70,15 @@ class AdapterRegistry:
         if saved is not None:   # a restart: the state as of the last acknowledged change
             state = json.loads(saved)
             self._sources, self._version = state["sources"], state["version"]
+            self._revisions = state.get("revisions", {})
             self._seeded = {tuple(item) for item in state["seeded"]}
         # after a restart, wait_applied first lets every live replica report once (replicas are not persisted)
         self._settled_at = time.monotonic() + (3 * sync_interval_s if saved is not None else 0.0)
         self._app_watch: asyncio.Task | None = None
 
     def _save(self) -> None:
-        state = {"version": self._version, "sources": self._sources, "seeded": sorted(self._seeded)}
+        state = {"version": self._version, "sources": self._sources, "revisions": self._revisions,
+                 "seeded": sorted(self._seeded)}
         internal_kv._internal_kv_put(self._key, json.dumps(state), overwrite=True, namespace=NAMESPACE)
 
     async def seed(self, adapters: dict[str, str]) -> int:
@@ -90,17 +95,21 @@ class AdapterRegistry:
             self._save()
         return self._version
 
-    async def register(self, name: str, source: str) -> int:
-        if self._sources.get(name) != source:
+    async def register(self, name: str, source: str, renewed: bool = False) -> tuple[int, int]:
+        """(version, the name's revision); `renewed`: the caller read other weights than the registered
+        ones from this same source."""
+        if self._sources.get(name) != source or renewed:
             self._sources[name] = source
+            self._revisions[name] = self._revisions.get(name, 0) + 1
             self._version += 1
             self._save()
-        return self._version
+        return self._version, self._revisions.get(name, 0)
 
     async def unregister(self, name: str) -> int | None:
         """The new version, or None for a name that is not registered."""
         if self._sources.pop(name, None) is None:
             return None
+        self._revisions.pop(name, None)
         self._version += 1
         self._save()
         return self._version
@@ -108,8 +117,9 @@ class AdapterRegistry:
     async def lookup(self, name: str) -> str | None:
         return self._sources.get(name)
 
-    async def snapshot(self) -> tuple[int, dict[str, str]]:
-        return self._version, dict(self._sources)
+    async def snapshot(self) -> tuple[int, dict[str, str], dict[str, int]]:
+        """(version, name -> source, name -> revision)."""
+        return self._version, dict(self._sources), dict(self._revisions)
 
     async def report(self, replica_id: str, applied_version: int, stats: dict) -> int:
         """A replica's heartbeat: what it has applied, and its stats; returns the current version."""
@@ -246,7 +256,7 @@ class RegistryView:
 
     async def adapters(self) -> dict[str, str]:
         try:
-            _, self.sources = await self.client.call(lambda registry: registry.snapshot.remote(), VIEW_TIMEOUT_S)
+            _, self.sources, _ = await self.client.call(lambda registry: registry.snapshot.remote(), VIEW_TIMEOUT_S)
         except RegistryUnavailableError:
             pass
         return self.sources

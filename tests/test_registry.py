@@ -1,5 +1,8 @@
 """The adapter registry survives and belongs to its application (local Ray on loopback, two replicas).
 
+A hot-load that finds other weights at an adapter's same source reaches every replica, not only the one
+that took the call.
+
 While the registry hangs or is dead, generation, `/v1/models` and `/metrics` answer from the last copies and
 hot-load / unload are a clean 503; killed, it restarts with every adapter it knew; an update of the app keeps
 its adapters; deleting the app deletes the registry and its persisted state, so the next deployment starts
@@ -8,6 +11,7 @@ with only its configured adapters; a registry whose app is gone drops itself.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import time
 
@@ -169,3 +173,41 @@ def test_a_registry_whose_app_is_gone_drops_itself(url):
 
     wait_until(dropped, 30, "the registry of an app Serve does not know to drop itself")
     assert internal_kv._internal_kv_get(key, namespace=NAMESPACE) is None
+
+
+def replica_versions(name: str) -> dict[str, str | None]:
+    """Each live replica's content digest of `name`'s current version, as it last reported."""
+    import ray
+
+    from deployments.adapter_registry import NAMESPACE, registry_name
+    registry = ray.get_actor(registry_name(APP, BASE), namespace=NAMESPACE)
+    stats = ray.get(registry.replica_stats.remote(), timeout=30)
+    return {rid: s.get("engine", {}).get("lora", {}).get("versions", {}).get(name) for rid, s in stats.items()}
+
+
+def load_on_both_replicas(name: str, path) -> dict[str, str]:
+    """Hot-load until both replicas hold `name` (a replica loads a hot-loaded adapter when a call or request
+    for it reaches it; plain handle calls are spread over the replicas). Returns each one's digest."""
+    for _ in range(24):
+        server().load_adapter.remote(name, str(path)).result(timeout_s=120)
+        versions = replica_versions(name)
+        if len(versions) == 2 and None not in versions.values():
+            return versions
+    raise AssertionError(f"24 hot-loads of {name!r} never reached both replicas: {versions}")
+
+
+def test_new_weights_at_the_same_source_reach_every_replica(url, files, tmp_path):
+    """Files rewritten in place, then hot-loaded again under the same name and path: "replaced" on the
+    replica that took the call, and the other replica, which holds the name too, reads them again."""
+    place = tmp_path / "renewed"
+    shutil.copytree(files["hot"], place)
+    new = load_on_both_replicas("ref", files["new"])
+    old = load_on_both_replicas("renewed", place)
+    assert len(set(old.values())) == 1 and set(old.values()) != set(new.values())
+    for item in files["new"].iterdir():
+        shutil.copy(item, place / item.name)
+    assert server().load_adapter.remote("renewed", str(place)).result(timeout_s=120)["status"] == "replaced"
+    # the hot-load returns once every live replica applied it; their stats follow at the next report
+    wait_until(lambda: replica_versions("renewed") == new, 10, "every replica to serve the renewed weights")
+    for name in ("renewed", "ref"):
+        server().unload_adapter.remote(name).result(timeout_s=60)

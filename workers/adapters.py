@@ -202,8 +202,10 @@ class AdapterManager:
             self._has_experts.pop(key, None)
 
     def stats(self) -> dict:
+        # versions: which weights each name serves here (content digests), comparable across replicas
         return {"host_cache": self.cache.stats(), "slots": self.slots.stats(),
-                "expert_slots": self.expert_slots.stats()}
+                "expert_slots": self.expert_slots.stats(),
+                "versions": {name: self._versions[key] for name, key in self._current.items()}}
 
     def close(self) -> None:
         self.cache.close()
