@@ -337,3 +337,34 @@ def test_ascend_lora_backend_on_w8a8_on_a_fake_npu(quantized, monkeypatch):
     same = [a == b for a, b in zip(runs["ascend"], runs["torch_native"])]
     assert sum(same) >= len(same) - 1, runs
     assert all(a[:2] == b[:2] for a, b in zip(runs["ascend"], runs["torch_native"])), runs
+
+
+def test_a_layers_float_linears_are_gone_before_the_next_layer_is_built(quantized):
+    """W8A8 linears replace the float ones as each decoder layer is built: at most one layer's float weights
+    exist at a time, so a model that fits on a device only in int8 still builds there."""
+    import gc
+    import weakref
+
+    from transformers import AutoConfig
+
+    from workers.models.llama import LlamaForCausalLM
+    from workers.quant.description import read_quantization
+    from workers.quant.w8a8_linear import quantize_layer
+
+    _, path, _ = quantized("qwen3")
+    cfg = AutoConfig.from_pretrained(path)
+    spec = read_quantization(path, cfg)
+    earlier: list[weakref.ref] = []
+
+    def finish(index, decoder):
+        gc.collect()
+        assert all(ref() is None for ref in earlier), f"layer {index}: an earlier layer's float weights live on"
+        floats = [m.weight for m in decoder.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+        earlier.extend(weakref.ref(w) for w in floats)
+        assert quantize_layer(spec, CpuW8A8(), index, decoder) == 4 == len(floats)
+        del floats
+
+    model = LlamaForCausalLM(cfg, TPGroup(0, 1), 64, finish_layer=finish)
+    gc.collect()
+    assert len(earlier) == 4 * cfg.num_hidden_layers and all(ref() is None for ref in earlier)
+    assert sum(isinstance(m, W8A8Linear) for m in model.modules()) == 4 * cfg.num_hidden_layers

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -33,7 +34,7 @@ from workers.parallel import TPGroup, prepack_linears
 from workers.plan import StepOutput, StepPlan
 from workers.quant.description import W8A8Spec
 from workers.quant.kernels import w8a8_kernel
-from workers.quant.w8a8_linear import finish_loading, quantize_linears
+from workers.quant.w8a8_linear import check_described, finish_loading, quantize_layer
 from workers.sampler import SamplerState, SamplingTensors, sample
 
 log = logging.getLogger(__name__)
@@ -117,13 +118,15 @@ class ModelRunner:
         cfg = runtime.hf_config
         previous = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
+        quantize = None
+        if runtime.quantization is not None:
+            check_described(runtime.quantization, cfg.num_hidden_layers)
+            quantize = partial(quantize_layer, runtime.quantization, w8a8_kernel(platform.name, self.dtype))
         try:
             with torch.device(device):
-                self.model = model_class(cfg)(cfg, tp, runtime.max_model_len).eval()
+                self.model = model_class(cfg)(cfg, tp, runtime.max_model_len, finish_layer=quantize).eval()
         finally:
             torch.set_default_dtype(previous)
-        if runtime.quantization is not None:
-            quantize_linears(self.model, runtime.quantization, w8a8_kernel(platform.name, self.dtype))
         load_weights(self.model, runtime.model_path)
         finish_loading(self.model)
         if platform.name == "cpu" and config.prepack_weights is not False:

@@ -4,6 +4,8 @@ Works on packed tokens [T, hidden]; attention reads and writes the paged KV cach
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -91,7 +93,8 @@ class LlamaForCausalLM(nn.Module):
     packed_modules_mapping = PACKED_MODULES_MAPPING
     model_types = SUPPORTED_MODEL_TYPES
 
-    def __init__(self, cfg, tp: TPGroup, max_positions: int):
+    def __init__(self, cfg, tp: TPGroup, max_positions: int,
+                 finish_layer: Callable[[int, nn.Module], object] | None = None):
         super().__init__()
         if cfg.model_type not in self.model_types:
             raise ValueError(f"model_type {cfg.model_type!r} is not supported ({self.model_types})")
@@ -99,8 +102,12 @@ class LlamaForCausalLM(nn.Module):
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         rope = RotaryEmbedding(cfg, head_dim, max_positions)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, rope, self.make_mlp(cfg, i, tp))
-                                    for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList()
+        for i in range(cfg.num_hidden_layers):
+            layer = DecoderLayer(cfg, i, tp, rope, self.make_mlp(cfg, i, tp))
+            if finish_layer is not None:   # W8A8: its linears swapped for int8 ones before the next is built
+                finish_layer(i, layer)
+            self.layers.append(layer)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         if cfg.tie_word_embeddings:

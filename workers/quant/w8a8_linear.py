@@ -1,14 +1,15 @@
 """W8A8_DYNAMIC linear layers, replacing the float tensor-parallel linears they quantize.
 
-`quantize_linears` swaps each linear the checkpoint describes as W8A8_DYNAMIC for a W8A8Linear
-before the weights load (its float weight is dropped unread); `finish_loading` checks what was
-loaded and packs it once for the kernel. A W8A8Linear keeps the float layer's geometry (tp,
-out_sizes, out_offsets, shard_range, in_features) and its interface (forward, and partial/reduce
-for a row-parallel one), so the LoRA wrappers of lora/layers.py wrap it unchanged: the adapter's
-delta is computed from the unquantized input and added to the dequantized output, in the model
-dtype, on every backend. TP cuts int8 weights and their scales like the float weights: a column-
-parallel shard takes its output rows and their scales, a row-parallel shard its input columns and
-all the scales (one per output row, which it keeps whole).
+`quantize_layer` swaps each linear the checkpoint describes as W8A8_DYNAMIC for a W8A8Linear as its
+decoder layer is built, before the weights load (its float weight is dropped unread: at most one
+layer's float linears are ever allocated, so a model that fits only in int8 still builds);
+`finish_loading` checks what was loaded and packs it once for the kernel. A W8A8Linear keeps the
+float layer's geometry (tp, out_sizes, out_offsets, shard_range, in_features) and its interface
+(forward, and partial/reduce for a row-parallel one), so the LoRA wrappers of lora/layers.py wrap it
+unchanged: the adapter's delta is computed from the unquantized input and added to the dequantized
+output, in the model dtype, on every backend. TP cuts int8 weights and their scales like the float
+weights: a column-parallel shard takes its output rows and their scales, a row-parallel shard its
+input columns and all the scales (one per output row, which it keeps whole).
 """
 from __future__ import annotations
 
@@ -96,22 +97,26 @@ class W8A8Linear(nn.Module):
         return self.kernel(x, self.packed, self.bias)
 
 
-def quantize_linears(model: nn.Module, spec: W8A8Spec, kernel) -> int:
-    """Replace every linear the spec quantizes by a W8A8Linear (before loading). Returns how many."""
+def quantize_layer(spec: W8A8Spec, kernel, index: int, decoder: nn.Module) -> int:
+    """Replace the linears of decoder layer `index` that the spec quantizes by W8A8Linears (before loading);
+    called as each layer is built, so only one layer's float linears ever exist. Returns how many."""
     count = 0
-    for index, decoder in enumerate(model.layers):
-        for path, checkpoint_modules in CHECKPOINT_MODULES.items():
-            if not spec.quantized(index, checkpoint_modules):
-                continue
-            parent_path, _, attr = path.rpartition(".")
-            parent = decoder.get_submodule(parent_path)
-            setattr(parent, attr, W8A8Linear(getattr(parent, attr), kernel, f"layers.{index}.{path}"))
-            count += 1
-    described = {(i, m) for i in range(len(model.layers)) for ms in CHECKPOINT_MODULES.values() for m in ms}
+    for path, checkpoint_modules in CHECKPOINT_MODULES.items():
+        if not spec.quantized(index, checkpoint_modules):
+            continue
+        parent_path, _, attr = path.rpartition(".")
+        parent = decoder.get_submodule(parent_path)
+        setattr(parent, attr, W8A8Linear(getattr(parent, attr), kernel, f"layers.{index}.{path}"))
+        count += 1
+    return count
+
+
+def check_described(spec: W8A8Spec, num_layers: int) -> None:
+    """Every module the description quantizes is one the model has."""
+    described = {(i, m) for i in range(num_layers) for ms in CHECKPOINT_MODULES.values() for m in ms}
     unknown = sorted(spec.modules - described)
     if unknown:
         raise QuantizationError(f"W8A8_DYNAMIC modules the model does not have: {unknown[:4]}")
-    return count
 
 
 def finish_loading(model: nn.Module) -> None:
