@@ -6,6 +6,9 @@
 #   3. LoRA on the device (lora_device): a tiny random Qwen3 and the six PEFT adapters of the LoRA tests,
 #      built here, loaded into an fp32 CUDA engine; a batch mixing every adapter and the base decoded
 #      through captured graphs, token for token the CPU engine's (fp32, eager);
+#   3b. Qwen3-MoE on the device (moe_device): a tiny random Qwen3-MoE and four adapters (attention, experts
+#      in both formats, dense MLP) through captured graphs, plus choice / regex constrained requests,
+#      token for token the CPU engine's;
 #   4. the graph-safe LoRA op tests;
 #   5. one throughput run on CUDA (base, 1 adapter, 8 adapters; bf16, the benchmark checkpoint).
 # It prints each step's result and a summary, and exits non-zero if a step failed. Nothing needs the
@@ -13,7 +16,7 @@
 #
 #   bash benchmarks/gpu_check.sh                 # from the checkout's root, or from anywhere
 #   TORCH_CUDA_INDEX_URL=<index> bash benchmarks/gpu_check.sh
-#   bash benchmarks/gpu_check.sh --dry-run       # no GPU: step 3 alone on the CPU (capture emulated),
+#   bash benchmarks/gpu_check.sh --dry-run       # no GPU: steps 3 and 3b on the CPU (capture emulated),
 #                                                # with the checkout's .venv (or $PYTHON)
 #
 # TORCH_CUDA_INDEX_URL: the package index holding the CUDA build of torch (passed to pip as
@@ -127,12 +130,92 @@ with tempfile.TemporaryDirectory(prefix="gpu-check-lora-") as tmp:
 EOF
 )
 
+# Step 3b's program (argument --device cuda | cpu), run from the checkout's root.
+MOE_CHECK=$(cat <<'EOF'
+"""Qwen3-MoE, expert LoRA and grammar-constrained decoding on the device: a tiny random Qwen3-MoE (sparse and
+dense layers) and four adapters (attention; PEFT target_parameters experts; per-expert 2-D; dense-layer MLP),
+built here; one mixed batch decoded greedily through captured graphs (the experts' fixed-shape path), plus
+choice / regex constrained requests (the token bitmask copied to the device and applied there), token for
+token the CPU engine's (fp32, eager). --device cpu: the same with the CPU capture emulation (a dry run)."""
+import argparse
+import json
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path.cwd() / "tests"))
+import torch  # noqa: E402
+
+from factories import PROMPTS, make_adapter  # noqa: E402
+from moe_factories import (make_expert_adapter, make_moe_model, write_dense_mlp_adapter,  # noqa: E402
+                           write_per_expert_adapter)
+from workers import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from workers.grammar import StructuredSpec  # noqa: E402
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+args = parser.parse_args()
+torch.set_float32_matmul_precision("highest")
+
+with tempfile.TemporaryDirectory(prefix="gpu-check-moe-") as tmp:
+    started, out = time.perf_counter(), Path(tmp)
+    model = make_moe_model(out / "model")
+    adapters = {
+        "attn": make_adapter(model, out / "attn", r=8, alpha=16, target_modules=["q_proj", "v_proj"], seed=1),
+        "experts": make_expert_adapter(model, out / "experts", r=4, alpha=8, target_modules=["q_proj"], seed=2),
+        "per_expert": write_per_expert_adapter(model, out / "per_expert", r=8, alpha=16, seed=3)[0],
+        "dense_mlp": write_dense_mlp_adapter(model, out / "dense_mlp", layers=(1,), r=8, alpha=16, seed=4),
+    }
+    names = [None, *adapters]
+    prompts = [p for p in PROMPTS[:4] for _ in names]
+    wanted = [n for _ in PROMPTS[:4] for n in names]
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    choice = StructuredSpec("choice", json.dumps(["yes", "no", "maybe"]))
+    regex = StructuredSpec("regex", r"[a-c]{2,4}-[0-9]{2}")
+    constrained = [SamplingParams(max_tokens=16, temperature=0.0, structured=spec) for spec in (choice, regex)]
+
+    def engine(**kw):
+        e = LLMEngine(EngineConfig(model=str(model), dtype="float32", max_lora_rank=16, max_loras_per_batch=4,
+                                   max_num_seqs=32, max_model_len=256, **kw))
+        for name, path in adapters.items():
+            e.load_adapter(name, str(path))
+        return e
+
+    def run(e):
+        mixed = e.generate(prompts, greedy, adapters=wanted)
+        grammar = e.generate([PROMPTS[0]] * 4, constrained * 2, adapters=[None, None, "experts", "experts"])
+        return mixed, grammar
+
+    device = engine(device=args.device, **({"emulate_capture": True} if args.device == "cpu" else {}))
+    got, got_grammar = run(device)
+    graphs = sorted(device.executor.runner.graph_runner.graphs)
+    want, want_grammar = run(engine(device="cpu", enforce_eager=True))
+    print(f"{args.device}: {torch.cuda.get_device_name(0) if args.device == 'cuda' else 'CPU (capture emulated)'}; "
+          f"Qwen3-MoE, {len(prompts)} mixed requests (4 adapters and the base) + 4 constrained, fp32; "
+          f"{time.perf_counter() - started:.1f} s; captured (batch, width) graphs: {graphs}")
+    mismatched = [i for i, (a, b) in enumerate(zip(got, want)) if a.token_ids != b.token_ids]
+    drift = max(abs(x - y) for a, b in zip(got, want) for x, y in zip(a.logprobs, b.logprobs))
+    print(f"  token-identical to the CPU engine: {len(prompts) - len(mismatched)}/{len(prompts)}; "
+          f"max |logprob difference| {drift:.2e}")
+    print(f"  constrained (choice, regex; base, experts): {[(o.text, o.finish_reason) for o in got_grammar]}")
+    assert graphs, "no graph was captured: decode ran eagerly"
+    assert not mismatched, f"requests {mismatched} differ from the CPU engine"
+    assert [o.token_ids for o in got_grammar] == [o.token_ids for o in want_grammar], "constrained outputs differ"
+    for o, pattern in zip(got_grammar, ["yes|no|maybe", r"[a-c]{2,4}-[0-9]{2}"] * 2):
+        assert o.finish_reason == "length" or re.fullmatch(pattern, o.text), (o.text, pattern)
+    print("ok")
+EOF
+)
+
 mkdir -p "$LOG"
 cd "$ROOT" || exit 1
 if [[ "${1:-}" == "--dry-run" ]]; then
     PY="${PYTHON:-$ROOT/.venv/bin/python}"
     export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false HF_HUB_DISABLE_PROGRESS_BARS=1 TRANSFORMERS_VERBOSITY=error
     step lora_device 300 "$PY" -c "$LORA_CHECK" --device cpu
+    step moe_device 300 "$PY" -c "$MOE_CHECK" --device cpu
     finish
 elif [[ -n "${1:-}" ]]; then
     say "unknown argument $1 (the only one is --dry-run)"
@@ -188,6 +271,8 @@ if grep -q "skipped" "$LOG/cuda_tests.log"; then   # torch saw no GPU: the step'
 fi
 # LoRA on the device: adapters loaded, a mixed-adapter batch through captured graphs = the CPU engine's tokens.
 step lora_device 180 "$PY" -c "$LORA_CHECK" --device cuda
+# Qwen3-MoE with expert LoRA and grammar-constrained requests on the device: the same comparison.
+step moe_device 150 "$PY" -c "$MOE_CHECK" --device cuda
 # The graph-safe LoRA ops (FakeTensor, torch.compile); those of the CPU kernel need a C compiler.
 GRAPH_TESTS="graph or fake or compile"
 command -v cc >/dev/null 2>&1 || command -v gcc >/dev/null 2>&1 || GRAPH_TESTS="(graph or fake or compile) and torch_masked"
