@@ -104,3 +104,18 @@ def make_adapter(model_path: Path, out: Path, *, r: int = 8, alpha: int = 16,
 
 def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
+
+
+def engine_with_adapters(path: Path, adapters: dict[str, Path], **config):
+    """An fp32 CPU LLMEngine on the checkpoint at `path` (other EngineConfig fields in `config`) with
+    `adapters` (name -> PEFT directory) loaded."""
+    from workers import EngineConfig, LLMEngine
+
+    engine = LLMEngine(EngineConfig(**{"model": str(path), "device": "cpu", "dtype": "float32", **config}))
+    try:
+        for name, source in adapters.items():
+            engine.load_adapter(name, str(source))
+    except BaseException:
+        engine.close()
+        raise
+    return engine

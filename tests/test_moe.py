@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from deployments.errors import classify
-from factories import PROMPTS, make_adapter
+from factories import PROMPTS, engine_with_adapters, make_adapter
 from lora.errors import AdapterError
 from moe_factories import (MergedOracle, PerAdapterOracle, make_expert_adapter, make_moe_model, write_dense_mlp_adapter,
                            write_per_expert_adapter)
@@ -45,11 +45,8 @@ def moe(tmp_path_factory):
 
 
 def make_engine(path, adapters, **kw) -> LLMEngine:
-    engine = LLMEngine(EngineConfig(model=str(path), device="cpu", dtype="float32", max_lora_rank=16,
-                                    max_model_len=256, **{"max_loras_per_batch": 4, **kw}))
-    for name, source in adapters.items():
-        engine.load_adapter(name, str(source))
-    return engine
+    return engine_with_adapters(path, adapters, max_lora_rank=16, max_model_len=256,
+                                **{"max_loras_per_batch": 4, **kw})
 
 
 def generate(engine, requests=REQUESTS, params=GREEDY):

@@ -6,10 +6,10 @@ weights and half their LoRA slots.
 """
 import pytest
 
-from factories import PROMPTS, make_adapter
+from factories import PROMPTS, engine_with_adapters, make_adapter
 from moe_factories import make_expert_adapter, make_moe_model, write_dense_mlp_adapter, write_per_expert_adapter
 from serve_fixtures import local_ray
-from workers import EngineConfig, LLMEngine, SamplingParams
+from workers import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 NAMES = [None, "attn", "experts", "per_expert", "dense_mlp"]
@@ -36,11 +36,9 @@ def setup(tmp_path_factory):
 
 
 def run(path, adapters, **kw):
-    engine = LLMEngine(EngineConfig(model=str(path), device="cpu", dtype="float32", max_lora_rank=8, max_model_len=256,
-                                    max_loras_per_batch=4, prepack_weights=False, **kw))   # dense bytes: halves exactly
+    engine = engine_with_adapters(path, adapters, max_lora_rank=8, max_model_len=256, max_loras_per_batch=4,
+                                  prepack_weights=False, **kw)   # dense bytes: halves exactly
     try:
-        for name, source in adapters.items():
-            engine.load_adapter(name, str(source))
         outs = engine.generate([p for p, _ in REQUESTS], GREEDY, adapters=[a for _, a in REQUESTS])
         return outs, engine.executor.resident_bytes()
     finally:

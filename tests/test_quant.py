@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ascend_quant_emulator import TorchNpuQuantEmulator
-from factories import PROMPTS
+from factories import PROMPTS, engine_with_adapters
 from lora_fixtures import ADAPTERS, PeftOracle, build_adapters
 from w8a8_reference import assert_matches_reference, install_reference, w8a8_reference
 from deployments.cli import main as cli_main
@@ -55,13 +55,11 @@ def quantized(model_dir, tmp_path_factory):
     return build
 
 
+LORA_LIMITS = dict(max_lora_rank=64, max_loras_per_batch=8, max_loaded_loras=8)
+
+
 def engine_for(path, adapters, **kwargs) -> LLMEngine:
-    config = dict(model=str(path), device="cpu", dtype="float32", max_lora_rank=64, max_loras_per_batch=8,
-                  max_loaded_loras=8)
-    engine = LLMEngine(EngineConfig(**{**config, **kwargs}))
-    for name, source in adapters.items():
-        engine.load_adapter(name, str(source))
-    return engine
+    return engine_with_adapters(path, adapters, **{**LORA_LIMITS, **kwargs})
 
 
 def run(engine, requests=REQUESTS):

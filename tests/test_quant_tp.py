@@ -9,11 +9,11 @@ linears, fp32) with mixed adapters, within 1e-3 in logprob; each rank holds half
 """
 import pytest
 
-from factories import PROMPTS
+from factories import PROMPTS, engine_with_adapters
 from lora_fixtures import ADAPTERS, PeftOracle, build_adapters
 from serve_fixtures import local_ray   # loopback-only Ray, even when Ray was imported first
 from w8a8_reference import assert_matches_reference, install_reference
-from workers import EngineConfig, LLMEngine, SamplingParams
+from workers import LLMEngine, SamplingParams
 from workers.quant.writer import quantize_checkpoint
 
 NAMES = [None, *ADAPTERS]
@@ -30,11 +30,8 @@ def ray_session():
 
 
 def engine_for(path, adapters, **kwargs) -> LLMEngine:
-    engine = LLMEngine(EngineConfig(model=str(path), device="cpu", dtype="float32", max_lora_rank=64,
-                                    max_loras_per_batch=8, max_loaded_loras=8, max_model_len=256, **kwargs))
-    for name, source in adapters.items():
-        engine.load_adapter(name, str(source))
-    return engine
+    return engine_with_adapters(path, adapters, max_lora_rank=64, max_loras_per_batch=8, max_loaded_loras=8,
+                                max_model_len=256, **kwargs)
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
