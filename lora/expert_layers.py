@@ -13,7 +13,7 @@ backend:
     down[n]    += act[n] @ A2[m*E + e].T @ B2[m*E + e].T     (A cut on the input columns, B replicated)
 
 before the block's one all-reduce, as for the row-parallel linears. Duck-typed against
-workers/models/qwen3_moe.py's MoeExperts (`gate_up`, `act`, `down`, `combine`).
+workers/models/qwen3_moe.py's MoeExperts (`gather`, `gate_up`, `act`, `down`, `combine`).
 """
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ class MoeExpertsLoRA(nn.Module):
         info = self.row_info(rows, lora)
         if info is None:
             return self.base(x, rows)
-        xs = x[rows.token]
+        xs = self.base.gather(x, rows)
         h = self.base.gate_up(xs, rows)
         if self.gate_up_op is not None:
             self.gate_up_op(h, xs, info)

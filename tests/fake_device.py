@@ -23,8 +23,10 @@ import workers.worker
 
 DEVICE_TYPE = "npu"
 aten = torch.ops.aten
-# The explicit transfers: the only ops that may take tensors of both kinds.
-TRANSFERS = {aten._to_copy.default, aten.copy_.default, aten._local_scalar_dense.default}
+# The explicit transfers: the only ops that may take tensors of both kinds. Under inference mode `.cpu()` /
+# `.to(...)` reach a tensor subclass as aten.to.* (not decomposed into _to_copy).
+TO_OPS = {aten._to_copy.default, aten.to.dtype_layout}
+TRANSFERS = {*TO_OPS, aten.copy_.default, aten._local_scalar_dense.default}
 
 
 class HostDeviceMix(RuntimeError):
@@ -93,14 +95,13 @@ class DeviceTensor(torch.Tensor):
                 return t.host
             return t
 
-        to_host = func is aten._to_copy.default and kwargs.get("device") is not None \
-            and torch.device(kwargs["device"]).type == "cpu"
+        to_host = func in TO_OPS and kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "cpu"
         host_args, host_kwargs = tree_map(unwrap, args), tree_map(unwrap, kwargs)
-        if func is aten._to_copy.default and _is_device(host_kwargs.get("device")):
+        if func in TO_OPS and _is_device(host_kwargs.get("device")):
             host_kwargs["device"] = torch.device("cpu")
         out = func(*host_args, **host_kwargs)
-        if to_host:
-            return out
+        if to_host:   # a copy, as from a device (aten.to may hand back its input)
+            return out.clone() if id(out) in wrappers else out
         if func is aten.copy_.default and not isinstance(args[0], DeviceTensor):
             return args[0]   # device -> host copy into a host tensor
 

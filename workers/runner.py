@@ -29,6 +29,7 @@ from workers.graph_runner import GraphRunner
 from workers.kv_cache import KVCache, blocks_needed
 from workers.models.llama import LlamaForCausalLM
 from workers.models.loader import load_weights
+from workers.models.moe_kernels import moe_kernel
 from workers.models.registry import model_class
 from workers.parallel import TPGroup, prepack_linears
 from workers.plan import StepOutput, StepPlan
@@ -129,6 +130,8 @@ class ModelRunner:
             torch.set_default_dtype(previous)
         load_weights(self.model, runtime.model_path)
         finish_loading(self.model)
+        if hasattr(self.model, "use_moe_kernel") and (kernel := moe_kernel(platform.name, self.dtype)) is not None:
+            self.model.use_moe_kernel(kernel)   # the NPU's grouped-matmul / MoE routing ops (torch_npu)
         if platform.name == "cpu" and config.prepack_weights is not False:
             prepack_linears(self.model)
             if hasattr(self.model, "prepack_experts"):

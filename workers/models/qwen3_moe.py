@@ -4,7 +4,9 @@ A layer is sparse unless it is in `mlp_only_layers` or `(i + 1) % decoder_sparse
 layers keep the Llama-family MLP at `intermediate_size`. The router is HF's (fp32 softmax, top-k,
 renormalised when `norm_topk_prob`, cast back). Experts run on the (token, choice) rows grouped by
 expert: one GEMM per active expert and projection (eager), or, in a captured decode where nothing may
-read back to the host, a fixed loop over every expert keeping each row's own (graph-safe).
+read back to the host, a fixed loop over every expert keeping each row's own (graph-safe). On an NPU
+with torch_npu's MoE ops (workers/models/moe_kernels.py, `use_moe_kernel`) routing, grouping, the
+grouped GEMMs and the combine are those ops instead, in every phase: nothing is read back to the host.
 
 Tensor parallel as vLLM without expert parallelism: every rank holds every expert, cut along the
 expert intermediate dimension (gate/up rows, down columns); the router is replicated; the block's
@@ -46,11 +48,14 @@ class ExpertRows:
     Eager: rows sorted by expert (stable: by token within one), `expert_runs` lists (expert, start, end)
     of the active experts (read back once per layer).
     Graph-safe: rows in (token, choice) order, `expert_runs` is None and each expert's rows are
-    found by mask on the device."""
+    found by mask on the device.
+    NPU kernels: rows sorted by expert on the device; `dispatch` holds what the routing op returned
+    (the gathered rows, the per-expert counts the grouped GEMMs read), `expert_runs` is None."""
     token: torch.Tensor            # [N] the token each row belongs to
     expert: torch.Tensor           # [N]
     weight: torch.Tensor           # [N] routing weight, the model's dtype
     expert_runs: tuple[tuple[int, int, int], ...] | None
+    dispatch: object | None = None   # workers.models.moe_kernels.Dispatch
 
 
 class Router(nn.Module):
@@ -144,6 +149,8 @@ class GroupedLinear(nn.Module):
         return [(e, s) for e in range(self.weight.shape[0]) for s in range(slices) if (e, s) not in self.loaded]
 
     def forward(self, x: torch.Tensor, rows: ExpertRows) -> torch.Tensor:
+        if rows.dispatch is not None:            # the NPU's grouped matmul over the device-side counts
+            return rows.dispatch.grouped_matmul(x, self.weight)
         weights = self.expert_weights()
         if rows.expert_runs is not None:
             y = x.new_empty(x.shape[0], self.out_features)
@@ -178,12 +185,19 @@ class MoeExperts(nn.Module):
         return self.down_proj(x, rows)
 
     @staticmethod
+    def gather(x: torch.Tensor, rows: ExpertRows) -> torch.Tensor:
+        """x's row of each (token, choice) row (the NPU routing op has gathered them already)."""
+        return rows.dispatch.expanded_x if rows.dispatch is not None else x[rows.token]
+
+    @staticmethod
     def combine(y: torch.Tensor, rows: ExpertRows, num_tokens: int) -> torch.Tensor:
+        if rows.dispatch is not None:
+            return rows.dispatch.finalize(y)
         out = y.new_zeros(num_tokens, y.shape[1])
         return out.index_add_(0, rows.token, y * rows.weight.unsqueeze(1))
 
     def forward(self, x: torch.Tensor, rows: ExpertRows, lora=None) -> torch.Tensor:
-        xs = x[rows.token]
+        xs = self.gather(x, rows)
         return self.combine(self.down(self.act(self.gate_up(xs, rows)), rows), rows, x.shape[0])
 
 
@@ -210,10 +224,14 @@ class SparseMoeBlock(nn.Module):
         self.tp = tp
         self.gate = Router(cfg)
         self.experts = MoeExperts(cfg, tp)
+        self.kernel = None   # the NPU's MoE ops (moe_kernels.NpuMoeKernel), set by use_moe_kernel; None: torch
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        weights, ids = self.gate(x)
-        rows = group_rows(weights, ids, self.experts.num_experts, batch.graph_safe or self._graph_lora(batch))
+        if self.kernel is not None:
+            rows = self.kernel.route(x, self.gate, self.experts.num_experts)
+        else:
+            weights, ids = self.gate(x)
+            rows = group_rows(weights, ids, self.experts.num_experts, batch.graph_safe or self._graph_lora(batch))
         return self.tp.all_reduce(self.experts(x, rows, batch.lora))
 
     @staticmethod
@@ -243,6 +261,13 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
     def prepack_experts(self) -> int:
         """Every expert projection packed for oneDNN (CPU); returns how many."""
         return sum(m.prepack() for m in self.modules() if isinstance(m, GroupedLinear))
+
+    def use_moe_kernel(self, kernel) -> int:
+        """Every sparse block routes and runs its experts through `kernel` (the NPU's MoE ops); returns how many."""
+        blocks = [m for m in self.modules() if isinstance(m, SparseMoeBlock)]
+        for block in blocks:
+            block.kernel = kernel
+        return len(blocks)
 
     def check_loaded(self, path) -> None:
         for name, module in self.named_modules():
