@@ -110,7 +110,7 @@ def wrap_experts(model: nn.Module, backend: LoRABackend, pool) -> int:
             offsets = [0]
             for b_s in b:
                 offsets.append(offsets[-1] + b_s.shape[1])
-            ops.append(backend.bind(f"{index}.{name}", a, b, tuple(offsets)))
+            ops.append(backend.bind(f"{index}.{name}", a, b, tuple(offsets), a_shared=pool.a_shared.get((index, name))))
         layer.mlp.experts = MoeExpertsLoRA(base, *ops, backend, pool)
         wrapped += 1
     return wrapped

@@ -106,6 +106,9 @@ class SlotPool:
     The scaling is folded into b, and every row / column a slot's adapter does
     not use is zero, so a kernel that computes all R ranks (or an empty slot)
     adds exactly the adapter's delta (or zero).
+    `a_shared[(layer, group)]` (stacked expert groups; int64 [M*E] on the host, written in place at each
+    load) is 1 where every slice of a block holds slice 0's A (PEFT's fused gate_up: gate and up share
+    A), so a kernel may read those rows once; every slice keeps its copy, so ignoring it is exact.
 
     `shard(module, weights)` receives the full (unsharded) PEFT tensors of one
     module and returns this tensor-parallel rank's (lora_a, lora_b), in the
@@ -134,9 +137,13 @@ class SlotPool:
         self.expert_slot_of: list[int] = [-1] * num_slots
         self.expert_slot_of_device = torch.full((num_slots,), -1, dtype=torch.int64, device=self.device)
         self.buffers: dict[tuple[int, str], tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = {}
+        self.a_shared: dict[tuple[int, str], torch.Tensor] = {}
         for group, shape in self.groups.items():
             for layer in self._layers(group):
                 self.buffers[(layer, group)] = self._allocate(group, shape)
+                if shape.experts and len(shape.out_dims) > 1:
+                    self.a_shared[(layer, group)] = torch.zeros(self.num_expert_slots * shape.experts,
+                                                                dtype=torch.int64)
 
     def _layers(self, group: str):
         if GROUPS[group].path is None:
@@ -200,6 +207,19 @@ class SlotPool:
         if has_experts:
             self.expert_ranks[expert_slot] = max(a.shape[-2] for (_, group, _), a, _, _ in pieces
                                                  if self.groups[group].experts)
+            self._mark_shared(pieces, expert_slot)
+
+    def _mark_shared(self, pieces: list, expert_slot: int) -> None:
+        """a_shared of the expert slot's blocks: 1 where the adapter gave every slice and each equals slice 0."""
+        given: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+        for (layer, group, s), a, _, _ in pieces:
+            if (layer, group) in self.a_shared:
+                given.setdefault((layer, group), {})[s] = a
+        for (layer, group), table in self.a_shared.items():
+            a = given.get((layer, group), {})
+            n = len(self.groups[group].out_dims)
+            same = len(a) == n and all(torch.equal(a[s], a[0]) for s in range(1, n))
+            table[self._index(group, expert_slot)] = int(same)
 
     def _map_expert_slot(self, slot: int, expert_slot: int) -> None:
         self.expert_slot_of[slot] = expert_slot
@@ -245,6 +265,8 @@ class SlotPool:
                 b[index].zero_()
         if expert_slot >= 0:
             self.expert_ranks[expert_slot] = 0
+            for (_, group), table in self.a_shared.items():
+                table[self._index(group, expert_slot)] = 0
         self.slot_ranks[slot] = 0
         self._map_expert_slot(slot, -1)
 

@@ -288,7 +288,8 @@ class AscendBackend(LoRABackend):
         return LoRABatchInfo(phase=phase, plan=plan, any_lora=any_lora, max_rank=self.max_rank,
                              token_slots_host=tuple(token_slots), **fields)
 
-    def bind(self, layer: str, a: torch.Tensor, b: Sequence[torch.Tensor], offsets: Sequence[int]) -> LayerLoRA:
+    def bind(self, layer: str, a: torch.Tensor, b: Sequence[torch.Tensor], offsets: Sequence[int],
+             a_shared: torch.Tensor | None = None) -> LayerLoRA:
         y, x = torch.empty(0, offsets[-1], dtype=self.dtype), torch.empty(0, a.shape[2], dtype=self.dtype)
         contract = self.contract
         if not eligible(y, x, a, b, offsets, device_dtypes(self.device), ranks=contract.ranks):

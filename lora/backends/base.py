@@ -76,7 +76,11 @@ class LoRABackend:
         return dict(token_slots=packed[:T], seg_lens=packed[T:T + S], seg_slots=packed[T + S:])
 
     # ---- per layer, at wrap time ------------------------------------------------------------
-    def bind(self, layer: str, a: torch.Tensor, b: Sequence[torch.Tensor], offsets: Sequence[int]) -> LayerLoRA:
+    def bind(self, layer: str, a: torch.Tensor, b: Sequence[torch.Tensor], offsets: Sequence[int],
+             a_shared: torch.Tensor | None = None) -> LayerLoRA:
+        """The layer's ops on its slot buffers. a_shared (int64 [slots], host, updated in place by the slot pool):
+        nonzero where every slice of the slot holds slice 0's A, which a kernel may then read once; the buffers
+        hold every slice's copy, so ignoring it is exact."""
         return torch_ops(a, b, offsets)
 
     def bind_embedding(self, layer: str, a: torch.Tensor, b: torch.Tensor) -> LayerLoRA:

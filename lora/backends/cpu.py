@@ -24,11 +24,12 @@ class CpuBackend(LoRABackend):
     name = "cpu"
     plan_split = GEMM_MIN_TOKENS
 
-    def bind(self, layer: str, a: torch.Tensor, b: Sequence[torch.Tensor], offsets: Sequence[int]) -> LayerLoRA:
+    def bind(self, layer: str, a: torch.Tensor, b: Sequence[torch.Tensor], offsets: Sequence[int],
+             a_shared: torch.Tensor | None = None) -> LayerLoRA:
         if not cpu_sgmv.supports(torch.empty(0, dtype=self.dtype), torch.empty(0, dtype=self.dtype), a, b):
             self.fallback(layer, f"the C kernel has no {self.dtype} code")
             return torch_ops(a, b, offsets)
-        prepared = cpu_sgmv.prepare(a, b, offsets)
+        prepared = cpu_sgmv.prepare(a, b, offsets, a_shared)
         if prepared is None:
             self.fallback(layer, "the C kernel does not read this buffer layout")
             return torch_ops(a, b, offsets)

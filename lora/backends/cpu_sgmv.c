@@ -17,6 +17,9 @@
  * The bgmv entries take one slot per token instead (token_slots[num_rows], -1 = base) and group
  * the tokens themselves, every slot at rank R: the graph phase has no host plan to pass.
  * h is kept in fp32; bf16 y is read, updated in fp32 and rounded to nearest even once.
+ * a_shared (NULL: none) [num_slots]: nonzero where every slice of the slot holds slice 0's A (a MoE
+ * gate_up adapter in PEFT's fused format: gate and up share A), so slice 0's rows are read for all
+ * of them: read once from memory, again from cache (the decode is bound by the bytes it reads).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -35,7 +38,13 @@ typedef struct {                   /* one call's operands; pointers to T (bf16 o
     int64_t y_stride;
     const int64_t *group_slot, *group_rank, *group_start, *rows;
     int64_t num_rows, num_slots, num_indices;   /* rows of x and y, slots, entries of rows[] */
+    const int64_t *a_shared;                     /* [num_slots] or NULL, see above */
 } sgmv_args;
+
+/* The row of a holding rank row q (= s * R + j) of slot's stacked A. */
+static inline int64_t a_row(const sgmv_args *args, int64_t slot, int64_t q) {
+    return args->a_shared && args->a_shared[slot] ? q % args->R : q;
+}
 
 enum { OUT_OF_MEMORY = 1, OUT_OF_RANGE = 2 };   /* nonzero returns */
 
@@ -74,7 +83,7 @@ static int NAME##_range(const sgmv_args *args, int64_t g_begin, int64_t g_end) {
                 for (int64_t k = 0; k < in_dim; k++) xf[t * in_dim + k] = LOAD(x[r[t] * x_stride + k]); \
             for (int64_t s = 0; s < stack; s++) {                                                    \
                 for (int64_t j = 0; j < rank; j++) {                                                 \
-                    const T *arow = a + slot * a_slot_stride + (s * R + j) * in_dim;                 \
+                    const T *arow = a + slot * a_slot_stride + a_row(args, slot, s * R + j) * in_dim; \
                     for (int64_t t0 = 0; t0 < n; t0 += 4) {                                          \
                         const int nt = n - t0 < 4 ? (int)(n - t0) : 4;                               \
                         __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(),                   \
@@ -147,7 +156,7 @@ static int NAME##_range(const sgmv_args *args, int64_t g_begin, int64_t g_end) {
             const int64_t *r = rows + c0;                                                            \
             for (int64_t s = 0; s < stack; s++) {                                                    \
                 for (int64_t j = 0; j < rank; j++) {                                                 \
-                    const T *arow = a + slot * a_slot_stride + (s * R + j) * in_dim;                 \
+                    const T *arow = a + slot * a_slot_stride + a_row(args, slot, s * R + j) * in_dim; \
                     for (int64_t t = 0; t < n; t++) {                                                \
                         const T *xr = x + r[t] * x_stride;                                           \
                         float acc = 0.f;                                                             \
@@ -214,7 +223,7 @@ static void dp_shrink(const sgmv_args *args, int64_t slot, int64_t rank, int64_t
             for (int64_t t = 0; t < n; t++) hb[t * SR + q] = 0;
             continue;
         }
-        const uint16_t *arow = a + slot * args->a_slot_stride + q * in_dim;
+        const uint16_t *arow = a + slot * args->a_slot_stride + a_row(args, slot, q) * in_dim;
         for (int64_t t0 = 0; t0 < n; t0 += 4) {   /* each a row read once per 4 tokens */
             const int nt = n - t0 < 4 ? (int)(n - t0) : 4;
             __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};

@@ -52,7 +52,7 @@ class _Args(ctypes.Structure):
                 ("y_offsets", ctypes.c_void_p), ("y", ctypes.c_void_p), ("y_stride", ctypes.c_int64),
                 ("group_slot", ctypes.c_void_p), ("group_rank", ctypes.c_void_p), ("group_start", ctypes.c_void_p),
                 ("rows", ctypes.c_void_p), ("num_rows", ctypes.c_int64), ("num_slots", ctypes.c_int64),
-                ("num_indices", ctypes.c_int64)]
+                ("num_indices", ctypes.c_int64), ("a_shared", ctypes.c_void_p)]
 
 
 def _check(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: Sequence[torch.Tensor], offsets: Sequence[int]):
@@ -92,7 +92,7 @@ def _call(index: int, y, x, a, b, offsets, index_tensor: torch.Tensor, pointers:
     base = ctypes.addressof(slices)
     args = _Args(x.data_ptr(), x.stride(0), a.shape[2], a.data_ptr(), a.stride(0), stack, b[0].shape[2], base,
                  base + 8 * stack, base + 16 * stack, y.data_ptr(), y.stride(0), *pointers, x.shape[0], a.shape[0],
-                 num_indices)
+                 num_indices, 0)
     status = getattr(lib, _SYMBOLS[x.dtype][index])(ctypes.addressof(args), extra)
     if status == OUT_OF_MEMORY:
         raise MemoryError("CPU LoRA kernel: out of memory for its scratch buffers")
@@ -129,19 +129,28 @@ class Prepared:
     """One LoRA layer's sgmv call with its fixed operands filled in once: the slot pool's buffers never move,
     so a step sets only x, y and its groups. Eager CPU steps call the kernel through this, not the registered
     op: dispatch, operand checks and argument building cost ~50 us a layer, ~3% of a decode step (traced and
-    graph phases keep the op). Built by the cpu backend when a layer is wrapped; None where it cannot run."""
+    graph phases keep the op). Built by the cpu backend when a layer is wrapped; None where it cannot run.
 
-    def __init__(self, a: torch.Tensor, b: Sequence[torch.Tensor], offsets: Sequence[int]):
+    a_shared: int64 [slots] (the slot pool's, updated in place at each load), nonzero where every slice of the
+    slot holds slice 0's A: the kernel reads those rows once (cpu_sgmv.c)."""
+
+    def __init__(self, a: torch.Tensor, b: Sequence[torch.Tensor], offsets: Sequence[int],
+                 a_shared: torch.Tensor | None = None):
         lib = _load()
         probe = torch.empty(0, a.shape[2], dtype=a.dtype)
         _check(torch.empty(0, offsets[-1], dtype=a.dtype), probe, a, b, offsets)   # the fixed operands, once
+        if a_shared is not None and not (a_shared.dtype == torch.int64 and a_shared.shape == (a.shape[0],)
+                                         and a_shared.is_contiguous() and a_shared.device.type == "cpu"):
+            raise ValueError(f"a_shared must be a contiguous int64 CPU tensor of the {a.shape[0]} slots")
+        self._a_shared = a_shared   # outlives the pointer below
         self.dtype, self.in_dim, self.width, stack = a.dtype, a.shape[2], offsets[-1], len(b)
         self._b = tuple(b)   # the buffers must outlive the pointers below
         self._slices = (ctypes.c_int64 * (3 * stack))(*[b_s.data_ptr() for b_s in b], *[b_s.shape[1] for b_s in b],
                                                       *offsets[:-1])
         base = ctypes.addressof(self._slices)
         self._args = _Args(0, 0, a.shape[2], a.data_ptr(), a.stride(0), stack, b[0].shape[2], base, base + 8 * stack,
-                           base + 16 * stack, 0, 0, 0, 0, 0, 0, 0, a.shape[0], 0)
+                           base + 16 * stack, 0, 0, 0, 0, 0, 0, 0, a.shape[0], 0,
+                           a_shared.data_ptr() if a_shared is not None else 0)
         self._address = ctypes.addressof(self._args)
         self._fn = getattr(lib, _SYMBOLS[a.dtype][0])
 
@@ -165,11 +174,12 @@ class Prepared:
             raise ValueError("LoRA groups index past the batch, the slots or the rank")
 
 
-def prepare(a: torch.Tensor, b: Sequence[torch.Tensor], offsets: Sequence[int]) -> Prepared | None:
+def prepare(a: torch.Tensor, b: Sequence[torch.Tensor], offsets: Sequence[int],
+            a_shared: torch.Tensor | None = None) -> Prepared | None:
     if not (available() and supports(torch.empty(0, dtype=a.dtype), torch.empty(0, dtype=a.dtype), a, b)):
         return None
     try:
-        return Prepared(a, b, offsets)
+        return Prepared(a, b, offsets, a_shared)
     except ValueError:   # a layout the kernel does not read: the layer keeps the general path
         return None
 
