@@ -150,6 +150,32 @@ def plan_step(seg_lens: tuple[int, ...], seg_slots: tuple[int, ...], slot_ranks:
     return LoRAPlan(tuple(groups[slot] for slot in present), kernel, tuple(groups[slot] for slot in many if split))
 
 
+def plan_rows(index: torch.Tensor, ranks: torch.Tensor, max_rank: int, device: torch.device | str = "cpu",
+              gemm_min_tokens: int | None = None) -> LoRAPlan:
+    """plan_step's plan for rows given one index each (a host int64 tensor, -1: none) with each index's rank
+    (host int64), built with a few tensor ops: MoE expert rows (T x top-k rows over as many combined (slot,
+    expert) indices) would otherwise cost a Python iteration per row and per index, a layer and a step.
+    Groups by ascending index, each its rows in order; with `gemm_min_tokens` the smaller ones first (the kernel)."""
+    rank = torch.where(index >= 0, ranks.clamp(max=max_rank)[index.clamp(min=0)], 0)
+    live = (rank > 0).nonzero().squeeze(1)                      # an empty slot adds exactly zero
+    order = live[torch.argsort(index[live], stable=True)]
+    keys, counts = torch.unique_consecutive(index[order], return_counts=True)
+    many = counts >= gemm_min_tokens if gemm_min_tokens is not None else torch.ones_like(counts, dtype=torch.bool)
+    group = torch.repeat_interleave(torch.arange(len(keys)), counts)
+    order = order[torch.argsort(many[group].to(torch.int64) * len(keys) + group, stable=True)]   # few first
+    regrouped = torch.cat([(~many).nonzero().squeeze(1), many.nonzero().squeeze(1)])
+    keys, counts, many = keys[regrouped], counts[regrouped], many[regrouped]
+    G = int((~many).sum())
+    starts = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    header = torch.cat([keys[:G], rank[order][starts[:G]], starts[:G + 1]]) if G else keys[:0]
+    packed = to_device(torch.cat([header, order]), device, torch.int64)
+    rows = packed[len(header):]
+    groups = [AdapterRows(k, r, rs) for k, r, rs in zip(keys.tolist(), rank[order][starts[:-1]].tolist(),
+                                                         rows.split(counts.tolist()))]
+    kernel = KernelGroups(packed[:3 * G + 1 + int(starts[G])], G) if G else None
+    return LoRAPlan(tuple(groups), kernel, tuple(groups[G:]) if gemm_min_tokens is not None else ())
+
+
 def make_batch_info(token_slots: list[int], slot_ranks: list[int], max_rank: int,
                     device: torch.device | str = "cpu", use_graph: bool = False,
                     phase: str | None = None, gemm_min_tokens: int | None = None) -> LoRABatchInfo:

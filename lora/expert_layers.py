@@ -17,30 +17,11 @@ workers/models/qwen3_moe.py's MoeExperts (`gather`, `gate_up`, `act`, `down`, `c
 """
 from __future__ import annotations
 
-import itertools
-from collections.abc import Sequence
-
 import torch
 from torch import nn
 
 from lora.backends.base import LayerLoRA, LoRABackend
 from lora.batch import LoRABatchInfo
-
-
-class ExpertRanks(Sequence):
-    """Rank per combined index m*E + e: the expert slot's rank (read live: slot loads update it)."""
-
-    def __init__(self, slot_ranks: list[int], num_experts: int):
-        self.slot_ranks, self.num_experts = slot_ranks, num_experts
-
-    def __len__(self) -> int:
-        return len(self.slot_ranks) * self.num_experts
-
-    def __getitem__(self, index: int) -> int:
-        return self.slot_ranks[index // self.num_experts]
-
-    def __iter__(self):   # batch_info copies it once a layer: M*E values, without a Python call each
-        return itertools.chain.from_iterable(itertools.repeat(r, self.num_experts) for r in self.slot_ranks)
 
 
 class MoeExpertsLoRA(nn.Module):
@@ -50,7 +31,7 @@ class MoeExpertsLoRA(nn.Module):
                  pool):
         super().__init__()
         self.base, self.gate_up_op, self.down_op = base, gate_up, down
-        self.backend, self.ranks = backend, ExpertRanks(pool.expert_ranks, base.num_experts)
+        self.backend, self.expert_ranks = backend, pool.expert_ranks   # by expert slot, read live (loads update it)
         self.expert_slot_of, self.expert_slot_of_device = pool.expert_slot_of, pool.expert_slot_of_device
 
     def __getattr__(self, name):
@@ -71,10 +52,11 @@ class MoeExpertsLoRA(nn.Module):
             # in the index dtype the backend gave the token slots (the Ascend contract's)
             combined = torch.where(slots >= 0, slots * E + rows.expert, -1).to(token_slots.dtype)
             return self.backend.graph_info(combined)
-        expert_slots = [self.expert_slot_of[s] if s >= 0 else -1 for s in lora.token_slots_host]
-        slots = torch.tensor(expert_slots, dtype=torch.int64)[rows.token.cpu()]
-        combined = torch.where(slots >= 0, slots * E + rows.expert.cpu(), -1).tolist()
-        info = self.backend.batch_info(combined, self.ranks, lora.phase)
+        expert_slot_of = torch.tensor([*self.expert_slot_of, -1])   # token slot -1 (the base) reads the last: -1
+        slots = expert_slot_of[torch.tensor(lora.token_slots_host, dtype=torch.int64)][rows.token.cpu()]
+        combined = torch.where(slots >= 0, slots * E + rows.expert.cpu(), -1)
+        ranks = torch.tensor(self.expert_ranks, dtype=torch.int64).repeat_interleave(E)   # per combined index
+        info = self.backend.row_batch_info(combined, ranks, lora.phase)
         return info if info.has_lora else None
 
     def forward(self, x: torch.Tensor, rows, lora: LoRABatchInfo | None = None) -> torch.Tensor:

@@ -288,6 +288,9 @@ class AscendBackend(LoRABackend):
         return LoRABatchInfo(phase=phase, plan=plan, any_lora=any_lora, max_rank=self.max_rank,
                              token_slots_host=tuple(token_slots), **fields)
 
+    def row_batch_info(self, index: torch.Tensor, ranks: torch.Tensor, phase: str) -> LoRABatchInfo:
+        return self.batch_info(index.tolist(), ranks.tolist(), phase)   # the kernels read segments / per-row indices
+
     def bind(self, layer: str, a: torch.Tensor, b: Sequence[torch.Tensor], offsets: Sequence[int],
              a_shared: torch.Tensor | None = None) -> LayerLoRA:
         y, x = torch.empty(0, offsets[-1], dtype=self.dtype), torch.empty(0, a.shape[2], dtype=self.dtype)

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from lora import ops
-from lora.batch import LoRABatchInfo, plan_step, segments
+from lora.batch import LoRABatchInfo, plan_rows, plan_step, segments
 from lora.transfer import to_device
 
 log = logging.getLogger(__name__)
@@ -63,6 +63,12 @@ class LoRABackend:
         lens, slots = segments(token_slots)
         plan = plan_step(tuple(lens), tuple(slots), tuple(slot_ranks), self.max_rank, self.device, self.plan_split)
         return LoRABatchInfo(phase=phase, plan=plan, max_rank=self.max_rank, token_slots_host=tuple(token_slots))
+
+    def row_batch_info(self, index: torch.Tensor, ranks: torch.Tensor, phase: str) -> LoRABatchInfo:
+        """An eager phase's batch info for rows with one index each, as host int64 tensors (index -1: none; ranks
+        per index): the MoE expert rows of lora/expert_layers.py, planned with tensor ops."""
+        plan = plan_rows(index, ranks, self.max_rank, self.device, self.plan_split)
+        return LoRABatchInfo(phase=phase, plan=plan, max_rank=self.max_rank, any_lora=bool(plan.groups))
 
     def graph_info(self, token_slots: torch.Tensor) -> LoRABatchInfo:
         """A captured decode: only the static slot-per-token buffer, read on the device."""

@@ -1,5 +1,6 @@
-"""Gate and up sharing one A (PEFT's fused target_parameters format): the slot pool marks such expert blocks and the
-CPU kernel reads their A once (lora/backends/cpu_sgmv.c `a_shared`); results stay the torch maths'."""
+"""The expert LoRA path's bytes and host work: gate and up sharing one A (PEFT's fused target_parameters format) are
+marked by the slot pool and read once by the CPU kernel (lora/backends/cpu_sgmv.c `a_shared`), results staying the
+torch maths'; the rows' plan is built with tensor ops (lora.batch.plan_rows), the same groups as plan_step's."""
 from __future__ import annotations
 
 import pytest
@@ -7,11 +8,35 @@ import torch
 
 from lora.adapter import LoRAAdapter, LoRAWeights
 from lora.backends import cpu_sgmv
-from lora.batch import KernelGroups
+from lora.batch import KernelGroups, plan_rows, plan_step, segments
 from lora.slots import GroupShape, SlotPool
 
 E, H, I, R = 4, 64, 32, 16
-pytestmark = pytest.mark.skipif(not cpu_sgmv.available(), reason="the CPU LoRA kernel did not build here")
+needs_kernel = pytest.mark.skipif(not cpu_sgmv.available(), reason="the CPU LoRA kernel did not build here")
+
+
+def _groups(plan_groups):
+    return sorted((g.slot, g.rank, list(range(g.rows.start, g.rows.stop)) if isinstance(g.rows, slice)
+                   else g.rows.tolist()) for g in plan_groups)
+
+
+@pytest.mark.parametrize("gemm_min_tokens", [None, 3])
+@pytest.mark.parametrize("seed", range(4))
+def test_plan_rows_groups_as_plan_step(seed, gemm_min_tokens):
+    gen = torch.Generator().manual_seed(seed)
+    ranks = torch.randint(0, 3, (12,), generator=gen) * 8                 # some indices of rank 0 (empty)
+    index = torch.randint(-1, 12, (40,), generator=gen)
+    index[index % 5 == 1], ranks[4] = 4, 16                                # one index with many rows
+    lens, slots = segments(index.tolist())
+    want = plan_step(tuple(lens), tuple(slots), tuple(ranks.tolist()), 16, gemm_min_tokens=gemm_min_tokens)
+    got = plan_rows(index, ranks, 16, gemm_min_tokens=gemm_min_tokens)
+    assert _groups(got.groups) == _groups(want.groups) and _groups(got.gemm) == _groups(want.gemm)
+    if gemm_min_tokens is None:
+        assert got.kernel is None and want.kernel is None
+        return
+    kernel = lambda k: sorted((s, r, k.rows[a:b].tolist()) for s, r, a, b in  # noqa: E731
+                              zip(k.slot.tolist(), k.rank.tolist(), k.start[:-1].tolist(), k.start[1:].tolist()))
+    assert kernel(got.kernel) == kernel(want.kernel) and got.kernel.num_groups > 0 and got.gemm
 
 
 def expert_adapter(name: str, rank: int, shared: bool, seed: int) -> LoRAAdapter:
@@ -30,6 +55,11 @@ def make_pool(dtype=torch.float32) -> SlotPool:
     return SlotPool(1, groups, 3, R, dtype, "cpu")
 
 
+def test_nothing_to_plan():
+    plan = plan_rows(torch.tensor([-1, 3, -1]), torch.zeros(4, dtype=torch.int64), 16, gemm_min_tokens=64)
+    assert plan.groups == () and plan.kernel is None and plan.gemm == ()
+
+
 def test_the_pool_marks_the_blocks_whose_slices_share_a():
     pool = make_pool()
     pool.load(0, expert_adapter("fused", 16, True, 0), 0)
@@ -43,6 +73,7 @@ def test_the_pool_marks_the_blocks_whose_slices_share_a():
     assert table.tolist() == [0] * 3 * E
 
 
+@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_kernel_reads_slice_0s_a_for_shared_blocks(dtype):
     """With the flag set, slice 1 is computed from slice 0's A rows: equal to the torch maths when they are equal
