@@ -1,6 +1,7 @@
 """Qwen3-MoE with LoRA: 8 adapters against the base, and against HF transformers + PEFT, in one run.
 
     .venv/bin/python -m benchmarks.moe [--dtype bfloat16] [--sizes '{"rounds": 3}']
+    .venv/bin/python -m benchmarks.moe --shape '{"hidden_size": 1024, ...}' --no-peft   (another shape, ours only)
 
 The checkpoint has Qwen3-30B-A3B's shape scaled down to fit here: top-8 routing over 64 experts (128
 halved), its expert-to-hidden ratio (768 / 2048 = 0.375: hidden 512, expert intermediate 192), its
@@ -143,7 +144,7 @@ def _generate(model, ids, max_tokens):
 
 
 def run(sizes: Sizes = FULL, dtype: str = "bfloat16", rounds: int | None = None, log=print,
-        shape: MoeShape = SHAPE) -> dict:
+        shape: MoeShape = SHAPE, peft: bool = True) -> dict:
     sizes = replace(sizes, num_requests=sizes.batch, shape=shape)   # one wave of `batch` requests
     set_threads(sizes.threads)
     rounds = rounds or sizes.peer_rounds
@@ -154,12 +155,13 @@ def run(sizes: Sizes = FULL, dtype: str = "bfloat16", rounds: int | None = None,
     engine = make_engine(model_dir, dtype, sizes)
     for i, path in enumerate(paths):
         engine.load_adapter(f"lora-{i:04d}", str(path))
-    peft = load_peft(model_dir, paths, dtype)
+    peft = load_peft(model_dir, paths, dtype) if peft else None
     for w in plans:   # warm-up of both systems, untimed
         run_requests(engine, prompts, plans[w], 2)
-    run_peft(peft, prompts[:8], plans["eight"][:8], 2)
+    if peft is not None:
+        run_peft(peft, prompts[:8], plans["eight"][:8], 2)
 
-    runs = [("ours", "eight"), ("ours", "base"), ("peft", "eight"), ("peft", "base")]
+    runs = [("ours", "eight"), ("ours", "base")] + ([("peft", "eight"), ("peft", "base")] if peft is not None else [])
     per_round = []
     for r in range(rounds):
         results = {}
@@ -179,18 +181,29 @@ def run(sizes: Sizes = FULL, dtype: str = "bfloat16", rounds: int | None = None,
     def ratio(a, b, key="output_tok_s"):
         return median([x[a][key] / x[b][key] for x in per_round])
 
-    return {"benchmark": "moe", "dtype": dtype, "shape": vars(shape), "sizes": sizes_dict(sizes),
+    data = {"benchmark": "moe", "dtype": dtype, "shape": vars(shape), "sizes": sizes_dict(sizes),
             "machine": machine_info(),
             "output_tok_s": {key: median([x[key]["output_tok_s"] for x in per_round]) for key in per_round[0]},
             "eight_over_base": ratio("ours_eight", "ours_base"),
             "eight_over_base_decode": ratio("ours_eight", "ours_base", "decode_tok_s"),
-            "ours_over_peft_eight": ratio("ours_eight", "peft_eight"),
-            "ours_over_peft_base": ratio("ours_base", "peft_base"),
             "rounds": per_round}
+    if "peft_base" in per_round[0]:
+        data.update(ours_over_peft_eight=ratio("ours_eight", "peft_eight"), ours_over_peft_base=ratio("ours_base",
+                                                                                                        "peft_base"))
+    return data
 
 
 def main(argv=None) -> dict:
-    return bench_main("moe", __doc__, run, argv)
+    """--shape (JSON overrides of MoeShape; the result is named after its tag) and --no-peft, then bench_main's."""
+    import argparse
+
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--shape", default=None)
+    parser.add_argument("--no-peft", action="store_true")
+    args, rest = parser.parse_known_args(argv)
+    shape = replace(SHAPE, **json.loads(args.shape)) if args.shape else SHAPE
+    name = "moe" if shape == SHAPE else f"moe_{shape.tag}"
+    return bench_main(name, __doc__, lambda sizes, dtype: run(sizes, dtype, shape=shape, peft=not args.no_peft), rest)
 
 
 if __name__ == "__main__":
