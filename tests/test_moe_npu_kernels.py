@@ -239,3 +239,44 @@ def test_captured_decode_through_the_npu_ops_matches_hf(moe, monkeypatch):
         assert emulator.calls["npu_moe_init_routing_v2"] > 0
     finally:
         engine.close()
+
+
+def test_ascend_lora_backend_with_the_npu_moe_ops_on_a_fake_npu(tmp_path, monkeypatch):
+    """fp16 on the fake NPU: the MoE ops' emulator for the experts and sgl_kernel_npu's for every LoRA layer, expert
+    rows included (combined indices in the kernels' index dtype, sgmv in prefill, bgmv in graph-safe decode); the
+    greedy tokens of the torch LoRA ops on the same device (the kernels round h once: a near tie may part late)."""
+    from ascend_emulator import CALLS, register_emulator
+    from fake_device import FakeDevice
+    from workers import EngineConfig, LLMEngine
+    from workers.device import PLATFORMS
+    from workers.worker import Worker
+
+    register_emulator()
+    path = make_moe_model(tmp_path / "model", moe_intermediate_size=32)   # slices of whole 32-byte blocks (kernels)
+    adapters = {"experts": make_expert_adapter(path, tmp_path / "experts", r=8, alpha=16, target_modules=["q_proj"],
+                                               seed=2),
+                "per_expert": write_per_expert_adapter(path, tmp_path / "per_expert", r=8, alpha=16, seed=3)[0]}
+    emulator = TorchNpuMoeEmulator()
+    monkeypatch.setattr("workers.runner.moe_kernel", partial(moe_kernel, ops=emulator, device_name="Ascend910B1"))
+    platform = dataclasses.replace(PLATFORMS["npu"], supports_graphs=False)
+    runs, before = {}, dict(CALLS)
+    for backend in ("ascend", "torch_native"):
+        with FakeDevice():
+            config = EngineConfig(model=str(path), device="cpu", dtype="float32", max_lora_rank=16,
+                                  max_loras_per_batch=3, graph_safe_decode=True,
+                                  lora_target_modules=("q_proj", "experts.gate_proj", "experts.up_proj",
+                                                       "experts.down_proj"))
+            engine = LLMEngine(config)
+            engine.executor = Worker(dataclasses.replace(config, device="npu", lora_backend=backend),
+                                     dataclasses.replace(engine.runtime, dtype="float16"), platform,
+                                     engine._resident_adapter)
+            for name, source in adapters.items():
+                engine.load_adapter(name, str(source))
+            runs[backend] = [o.token_ids for o in generate(engine)]
+            if backend == "ascend":
+                stats = engine.executor.runner.lora_backend.stats()
+    assert stats == {"lora_backend": "ascend", "lora_fallbacks": {}}, stats
+    assert CALLS["sgmv_shrink"] > before.get("sgmv_shrink", 0) and CALLS["bgmv_expand"] > before.get("bgmv_expand", 0)
+    assert emulator.calls["npu_grouped_matmul"] > 0
+    assert all(a[:4] == b[:4] for a, b in zip(runs["ascend"], runs["torch_native"])), runs
+    assert sum(a == b for a, b in zip(runs["ascend"], runs["torch_native"])) >= len(REQUESTS) - 1, runs
