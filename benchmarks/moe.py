@@ -199,7 +199,8 @@ def run(sizes: Sizes = FULL, dtype: str = "bfloat16", rounds: int | None = None,
 
 
 def main(argv=None) -> dict:
-    """--shape (JSON overrides of MoeShape; the result is named after its tag) and --no-peft, then bench_main's."""
+    """--shape (JSON overrides of MoeShape; the result is named after its tag) and --no-peft (named *_ours), then
+    bench_main's."""
     import argparse
 
     parser = argparse.ArgumentParser(add_help=False)
@@ -207,7 +208,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--no-peft", action="store_true")
     args, rest = parser.parse_known_args(argv)
     shape = replace(SHAPE, **json.loads(args.shape)) if args.shape else SHAPE
-    name = "moe" if shape == SHAPE else f"moe_{shape.tag}"
+    name = "moe" + ("" if shape == SHAPE else f"_{shape.tag}") + ("_ours" if args.no_peft else "")
     return bench_main(name, __doc__, lambda sizes, dtype: run(sizes, dtype, shape=shape, peft=not args.no_peft), rest)
 
 
