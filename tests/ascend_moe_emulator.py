@@ -113,7 +113,8 @@ class TorchNpuMoeEmulator:
         check(act_type == 0 and output_dtype in (None, x[0].dtype), "emulated without activation, output in x's dtype")
         (xs,), (w,) = x, weight
         check(xs.dim() == 2 and w.dim() == 3, f"x 2-D and weight 3-D, got {xs.dim()}-D, {w.dim()}-D")
-        check(xs.dtype in FLOATS and w.dtype == xs.dtype, f"x and weight fp16/bf16/fp32 alike, got {xs.dtype}, {w.dtype}")
+        check(xs.dtype in FLOATS and w.dtype == xs.dtype,
+              f"x and weight fp16/bf16/fp32 alike, got {xs.dtype}, {w.dtype}")
         check(xs.is_contiguous(), "x is not transposed")
         check(_transposed_contiguous(w), f"weight [E, K, N] contiguous or transposed, got strides {w.stride()}")
         (M, Kx), (E, K, N) = xs.shape, w.shape
@@ -153,7 +154,8 @@ class TorchNpuMoeEmulator:
                                                 and expert_for_source_row.shape == (N, K)),
               "expert_for_source_row int32 [N, K]")
         for skip in (skip1, skip2):
-            check(skip is None or (skip.dtype == rows.dtype and skip.shape == (N, H)), "skips [N, H] of the rows' dtype")
+            check(skip is None or (skip.dtype == rows.dtype and skip.shape == (N, H)),
+                  "skips [N, H] of the rows' dtype")
         check(bias is None or (expert_for_source_row is not None and bias.dtype == rows.dtype and bias.dim() == 2),
               "bias [E, H] of the rows' dtype, with expert_for_source_row")
         device_check(((index >= 0) & (index < N * K)).all(), "expanded_src_to_dst_row past the rows")
