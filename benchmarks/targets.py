@@ -1,70 +1,84 @@
-"""What the default LoRA targets and the other CLI defaults cost in decode, before and after the skip of
-untargeted modules (issue 22, item 4), alternating in one run.
+"""What the default LoRA targets and the other CLI defaults cost in decode, with and without the skip of
+untargeted modules (issue 22, item 4): every variant in one process, alternating.
 
-    .venv/bin/python -m benchmarks.targets [--old REV] [--rounds 2] [--threads 1] [--dtype bfloat16]
+    .venv/bin/python -m benchmarks.targets [--rounds 3] [--dtype bfloat16]
 
-Every variant runs the same child in a process of its own (the old revision from a git worktree of it,
-benchmarks/ab.py's `checkout`, the new one from this tree), on the bench checkpoint (benchmarks/checkpoint.py)
-with its 8 rank-16 adapters targeting the 7 projections only; the variants run in a rotated order each round.
-Variants: the old and the new code with the default targets (embed_tokens and lm_head too), eager decode (the
-CPU default) and captured decode (the CPU capture emulation); then, on the new code, the benchmark's settings
-(targets = the 7 projections, max_num_seqs 32, max_model_len 96) with one CLI default at a time, and all three.
-The child times decode steps (wall and process CPU time, one thread) of c requests at once (c = 4, light
-serving load; c = 32, a full batch; 32 prompt tokens, 16 output tokens), one adapter per request in turn. CPU ms per decode step is the figure
-judged (the machine is shared: wall time moves with other jobs, CPU time at one thread barely does).
+The bench checkpoint (benchmarks/checkpoint.py) with its 8 rank-16 adapters, which target the 7 projections
+only. Variants: the benchmark's settings (targets = the 7 projections, max_num_seqs 32, max_model_len 96)
+with one CLI default at a time (all targets, max_num_seqs 64, max_model_len unset), and all three; the
+default targets with the skip turned off, as the code before it ran (every wrapped module computed in any
+step that has an adapter: the slot pool reports every group, so captured decode replays the all-targets
+graph), on the same engine as with it; and both again in captured decode (the CPU capture emulation).
+Each round runs every variant once, in a rotated order, timing its decode steps (wall and process CPU
+time, one thread) for c requests at once (c = 4, light serving load; c = 32, a full batch; 32 prompt tokens,
+16 output tokens), one adapter per request in turn. Ratios are taken per round, then their median; CPU ms
+per step is the figure judged (the machine is shared: wall time moves with other jobs, CPU time at one
+thread barely does).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
+import time
 
-from benchmarks.ab import checkout
-from benchmarks.checkpoint import ALL7, cache_root
-from benchmarks.common import machine_info, median, write_result
+from benchmarks.checkpoint import ALL7, build_adapters, build_checkpoint
+from benchmarks.common import FULL, machine_info, make_prompts, median, set_threads, write_result
 
-ROOT = Path(__file__).resolve().parent.parent
 CONCURRENCY = (4, 32)
-BENCH = {"lora_target_modules": list(ALL7), "max_num_seqs": 32, "max_model_len": 96}   # prompt + output + slack
-CLI = {"lora_target_modules": None, "max_num_seqs": 64, "max_model_len": None}           # None: EngineConfig's
-VARIANTS = {   # name -> (revision, settings that differ from BENCH)
-    "old_default_targets": ("old", {"lora_target_modules": None}),
-    "new_default_targets": ("new", {"lora_target_modules": None}),
-    "old_default_targets_captured": ("old", {"lora_target_modules": None, "emulate_capture": True}),
-    "new_default_targets_captured": ("new", {"lora_target_modules": None, "emulate_capture": True}),
-    "new_bench": ("new", {}),
-    "new_max_num_seqs_64": ("new", {"max_num_seqs": 64}),
-    "new_max_model_len_default": ("new", {"max_model_len": None}),
-    "new_cli_defaults": ("new", CLI),
+MAX_TOKENS = 16          # per request: 15 decode steps a run (the machine is shared: every step counts)
+BENCH = {"lora_target_modules": ALL7, "max_num_seqs": 32, "max_model_len": 96}   # prompt + output + slack
+CLI = {"lora_target_modules": None, "max_num_seqs": 64, "max_model_len": None}     # None: EngineConfig's default
+DEFAULT_TARGETS = {"lora_target_modules": None}
+CAPTURED = {"lora_target_modules": None, "emulate_capture": True}
+VARIANTS = {   # name -> (settings that differ from BENCH, skip on)
+    "bench": ({}, True),
+    "default_targets": (DEFAULT_TARGETS, True),
+    "default_targets_no_skip": (DEFAULT_TARGETS, False),
+    "max_num_seqs_64": ({"max_num_seqs": 64}, True),
+    "max_model_len_default": ({"max_model_len": None}, True),
+    "cli_defaults": (CLI, True),
+    "captured_default_targets": (CAPTURED, True),
+    "captured_default_targets_no_skip": (CAPTURED, False),
 }
-MAX_TOKENS = 16   # per request: 15 decode steps a run (the machine is shared: every step counts)
-CHILD = """
-import json, sys, time
-import torch
-from benchmarks.checkpoint import build_adapters, build_checkpoint
-from benchmarks.common import FULL, make_prompts
-from workers import EngineConfig, LLMEngine, SamplingParams
-args = json.loads(sys.argv[1])
-torch.set_num_threads(args["threads"])
-engine_kw = {k: (tuple(v) if isinstance(v, list) else v) for k, v in args["engine"].items() if v is not None}
-sizes = FULL
-engine = LLMEngine(EngineConfig(model=str(build_checkpoint(args["dtype"], sizes.shape)), dtype=args["dtype"],
-                                device="cpu", max_lora_rank=sizes.rank, max_loras_per_batch=8, max_loaded_loras=64,
-                                kv_cache_memory_gb=1.0, cpu_threads=args["threads"], max_num_batched_tokens=2048,
-                                **engine_kw))
-paths = build_adapters(8, sizes.shape, sizes.rank)
-for i in range(8):
-    engine.load_adapter(f"a{i}", str(paths[i]))
-prompts = make_prompts(sizes)
+RATIOS = {   # label -> (variant, against)
+    "no_skip_over_skip": ("default_targets_no_skip", "default_targets"),
+    "captured_no_skip_over_skip": ("captured_default_targets_no_skip", "captured_default_targets"),
+    "default_targets_over_bench": ("default_targets", "bench"),
+    "default_targets_no_skip_over_bench": ("default_targets_no_skip", "bench"),
+    "max_num_seqs_64_over_bench": ("max_num_seqs_64", "bench"),
+    "max_model_len_default_over_bench": ("max_model_len_default", "bench"),
+    "cli_defaults_over_bench": ("cli_defaults", "bench"),
+}
 
-def run(c, max_tokens=args["max_tokens"]):
+
+def make_engine(model_dir, dtype: str, settings: dict, threads: int):
+    from workers import EngineConfig, LLMEngine
+
+    config = {**BENCH, **settings}
+    kw = {k: v for k, v in config.items() if v is not None}
+    return LLMEngine(EngineConfig(model=str(model_dir), dtype=dtype, device="cpu", max_lora_rank=FULL.rank,
+                                  max_loras_per_batch=8, max_loaded_loras=64, kv_cache_memory_gb=0.5,
+                                  cpu_threads=threads, max_num_batched_tokens=2048, **kw))
+
+
+def set_skip(engine, skip: bool) -> None:
+    """Off: the code before the skip (every group for any slots); on: the slot pool's own groups_of."""
+    pool = engine.executor.runner.slot_pool
+    if skip:
+        pool.__dict__.pop("groups_of", None)
+    else:
+        pool.groups_of = lambda slots: frozenset(pool.groups)
+
+
+def timed_run(engine, prompts, c: int, max_tokens: int) -> dict:
+    """c requests at once (adapter i % 8); wall and CPU ms per decode step."""
+    from workers import SamplingParams
+
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=False)
     for i in range(c):
         engine.add_request(prompts[i], params, f"a{i % 8}")
-    wall, cpu, steps = 0.0, 0.0, 0
+    wall = cpu = 0.0
+    steps = 0
     while engine.has_unfinished():
         engine.last_step = (0, 0)
         w0, c0 = time.perf_counter(), time.process_time()
@@ -73,74 +87,53 @@ def run(c, max_tokens=args["max_tokens"]):
         decode, prefill = engine.last_step
         if decode and not prefill:
             wall, cpu, steps = wall + w1 - w0, cpu + c1 - c0, steps + 1
-    return wall, cpu, steps
-
-out = {}
-for c in args["concurrency"]:
-    run(c, 4)          # warm-up; captured: the graphs of this batch (the same width bucket: 4 blocks)
-    totals = [run(c) for _ in range(args["reps"])]
-    steps = sum(t[2] for t in totals)
-    out[str(c)] = {"wall_ms_per_step": 1e3 * sum(t[0] for t in totals) / steps,
-                   "cpu_ms_per_step": 1e3 * sum(t[1] for t in totals) / steps, "steps": steps}
-engine.close()
-print(json.dumps(out))
-"""
-
-
-def run_variant(tree: Path, settings: dict, dtype: str, threads: int, reps: int) -> dict:
-    args = {"dtype": dtype, "threads": threads, "reps": reps, "concurrency": list(CONCURRENCY), "max_tokens": MAX_TOKENS,
-            "engine": {**BENCH, **settings}}
-    env = dict(os.environ, PYTHONPATH=str(tree), LORASERVE_BENCH_CACHE=str(cache_root()), OMP_NUM_THREADS=str(threads))
-    done = subprocess.run([sys.executable, "-c", CHILD, json.dumps(args)], cwd=tree, env=env, capture_output=True,
-                          text=True)
-    if done.returncode:
-        raise RuntimeError(f"child failed ({done.returncode}): {done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def summarize(rounds: list[dict]) -> dict:
-    """Per variant and concurrency the median CPU / wall ms per step; ratios per round, then their median."""
-    out = {"cpu_ms_per_step": {}, "wall_ms_per_step": {}, "ratios": {}}
-    for name in VARIANTS:
-        for key in ("cpu_ms_per_step", "wall_ms_per_step"):
-            out[key][name] = {c: median([r[name][c][key] for r in rounds]) for c in rounds[0][name]}
-    pairs = {"default_targets_new_over_old": ("new_default_targets", "old_default_targets"),
-             "default_targets_captured_new_over_old": ("new_default_targets_captured", "old_default_targets_captured"),
-             "new_default_targets_over_bench": ("new_default_targets", "new_bench"),
-             "max_num_seqs_64_over_bench": ("new_max_num_seqs_64", "new_bench"),
-             "max_model_len_default_over_bench": ("new_max_model_len_default", "new_bench"),
-             "cli_defaults_over_bench": ("new_cli_defaults", "new_bench")}
-    for label, (a, b) in pairs.items():
-        out["ratios"][label] = {c: median([r[a][c]["cpu_ms_per_step"] / r[b][c]["cpu_ms_per_step"] for r in rounds])
-                                for c in rounds[0][a]}
-    return out
+    return {"wall_ms_per_step": 1e3 * wall / steps, "cpu_ms_per_step": 1e3 * cpu / steps}
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--old", default="7f7b849", help="the revision before the change")
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--reps", type=int, default=1, help="timed runs of each concurrency per process")
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = parser.parse_args(argv)
-    trees = {"old": checkout(args.old), "new": ROOT}
+    set_threads(args.threads)
+    model_dir, paths = build_checkpoint(args.dtype, FULL.shape), build_adapters(8, FULL.shape, FULL.rank)
+    prompts = make_prompts(FULL)
+    engines = {}   # one per distinct settings: a variant without the skip shares its twin's engine
+    for settings, _ in VARIANTS.values():
+        key = json.dumps(settings, sort_keys=True)
+        if key not in engines:
+            engines[key] = make_engine(model_dir, args.dtype, settings, args.threads)
+            for i in range(8):
+                engines[key].load_adapter(f"a{i}", str(paths[i]))
+    engine_of = {name: engines[json.dumps(settings, sort_keys=True)] for name, (settings, _) in VARIANTS.items()}
+    for name, (_, skip) in VARIANTS.items():       # warm-up; captured: this variant's graphs of each batch
+        set_skip(engine_of[name], skip)
+        for c in CONCURRENCY:
+            timed_run(engine_of[name], prompts, c, 4)
     names, rounds = list(VARIANTS), []
     for r in range(args.rounds):
-        order = names[r % len(names):] + names[:r % len(names)]    # rotated: no variant always first / last
         got = {}
-        for name in order:
-            side, settings = VARIANTS[name]
-            got[name] = run_variant(trees[side], settings, args.dtype, args.threads, args.reps)
+        for name in names[r % len(names):] + names[:r % len(names)]:   # rotated: none always first or last
+            set_skip(engine_of[name], VARIANTS[name][1])
+            got[name] = {str(c): timed_run(engine_of[name], prompts, c, MAX_TOKENS) for c in CONCURRENCY}
             print(f"round {r} {name}: " + ", ".join(f"c={c} {v['cpu_ms_per_step']:.1f} ms CPU / "
                                                     f"{v['wall_ms_per_step']:.1f} ms wall" for c, v in got[name].items()),
                   flush=True)
         rounds.append(got)
-    data = {"benchmark": "targets", "old": args.old, "max_tokens": MAX_TOKENS, "dtype": args.dtype, "threads": args.threads,
-            "concurrency": list(CONCURRENCY), "bench_settings": BENCH, "cli_settings": CLI,
-            "variants": {k: {"revision": v[0], "settings": v[1]} for k, v in VARIANTS.items()},
-            "machine": machine_info(), "rounds": rounds, **summarize(rounds)}
-    print(json.dumps(data["ratios"], indent=1))
+    for engine in engines.values():
+        engine.close()
+    data = {"benchmark": "targets", "dtype": args.dtype, "threads": args.threads, "max_tokens": MAX_TOKENS,
+            "concurrency": list(CONCURRENCY), "bench_settings": {**BENCH, "lora_target_modules": list(ALL7)},
+            "cli_settings": CLI, "variants": {k: {"settings": s, "skip": on} for k, (s, on) in VARIANTS.items()},
+            "machine": machine_info(), "rounds": rounds}
+    for key in ("cpu_ms_per_step", "wall_ms_per_step"):
+        data[key] = {name: {str(c): median([r[name][str(c)][key] for r in rounds]) for c in CONCURRENCY}
+                     for name in VARIANTS}
+    data["cpu_ratios"] = {label: {str(c): median([r[a][str(c)]["cpu_ms_per_step"] / r[b][str(c)]["cpu_ms_per_step"]
+                                                  for r in rounds]) for c in CONCURRENCY}
+                          for label, (a, b) in RATIOS.items()}
+    print(json.dumps(data["cpu_ratios"], indent=1))
     print(write_result(f"targets_{args.dtype}", data))
     return data
 

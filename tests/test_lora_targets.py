@@ -134,9 +134,14 @@ def test_narrowed_targets_refuse_an_adapter_naming_a_module_left_out(setup):
     engine.close()
 
 
-def test_tiers_and_the_narrowest_covering_one():
+def test_tiers_and_the_narrowest_covering_one(model_dir):
     assert lora_tiers(None) == (None,)
     assert lora_tiers(PROJECTIONS) == (frozenset(), PROJECTIONS)
     everything = PROJECTIONS | {"lm_head"}
     assert lora_tiers(everything) == (frozenset(), PROJECTIONS, everything)
     assert lora_tiers(frozenset({"lm_head"})) == (frozenset(), frozenset({"lm_head"}))
+    engine = LLMEngine(EngineConfig(model=str(model_dir("qwen3")), device="cpu", emulate_capture=True))
+    runner, all_groups = engine.executor.runner.graph_runner, engine.executor.runner.graph_runner.tiers[-1]
+    assert runner.tier(frozenset()) == frozenset() and runner.tier(frozenset({"o_proj"})) == PROJECTIONS
+    assert runner.tier(frozenset({"lm_head"})) == runner.tier(None) == all_groups
+    engine.close()

@@ -8,9 +8,9 @@ max_model_len's; a step replays the smallest graph covering its batch and its wi
 follows the batch's context, not max_model_len.
 
 When the graphs are captured: on a device all of them up front, largest first, sharing one memory pool (each
-smaller graph fits in what the larger ones freed; about batch buckets x log2(max_model_len / block) captures,
-e.g. 7 x 10 at 32k, a few seconds each batch bucket, paid once at start-up instead of as a latency spike in
-serving). The CPU capture emulation (EngineConfig.emulate_capture, workers/tape_graph.py) captures each
+smaller graph fits in what the larger ones freed; about batch buckets x log2(max_model_len / block) captures
+per LoRA tier (below), e.g. 7 x 10 at 32k, a few seconds each batch bucket, paid once at start-up instead of
+as a latency spike in serving). The CPU capture emulation (EngineConfig.emulate_capture, workers/tape_graph.py) captures each
 (batch, width) lazily on its first use: a tape keeps every tensor it allocated, with no pool to share, so
 capturing every width up front would hold each width's whole gathered KV at once (at 32k, batch 16 on the
 bench checkpoint, ~16 GB for the widest graph alone).
@@ -24,8 +24,8 @@ capture fails (and its buckets then run eagerly).
 On CPU without the emulation the same static-buffer path runs eagerly (trimming the block table to the
 widest sequence, which only an eager run can do).
 
-LoRA: a module that no adapter of the step targets would add only zeros, and the vocabulary-sized ones
-(embed_tokens, lm_head, in the default targets) cost as much as a decoder layer's. A graph replays a fixed
+LoRA: a module that no adapter of the step targets would add only zeros (embed_tokens and lm_head, in the
+default targets, read vocab x rank weights per adapter for that). A graph replays a fixed
 op sequence, so the skip is chosen per graph: each (batch, width) is captured once per LoRA tier, the
 group sets of `lora_tiers` (no LoRA at all, as vLLM's cudagraph_specialize_lora; the per-layer groups;
 every target), and a step replays the narrowest tier covering the groups its adapters fill. So an adapter
@@ -112,8 +112,10 @@ class GraphRunner:
         return next(w for w in self.widths if w >= width)
 
     def tier(self, groups: frozenset[str] | None) -> frozenset[str] | None:
-        """The narrowest captured LoRA tier covering `groups` (what the step's adapters fill)."""
-        return next((t for t in self.tiers if t is None or groups is None or groups <= t), self.tiers[-1])
+        """The narrowest captured LoRA tier covering `groups` (what the step's adapters fill; None: all)."""
+        if groups is None:
+            return self.tiers[-1]
+        return next((t for t in self.tiers if t is None or groups <= t), self.tiers[-1])
 
     def _graph_lora(self, b: int, groups: frozenset[str] | None) -> LoRABatchInfo | None:
         if self.lora_backend is None:
