@@ -8,7 +8,8 @@ only. Variants: the benchmark's settings (targets = the 7 projections, max_num_s
 with one CLI default at a time (all targets, max_num_seqs 64, max_model_len unset), and all three; the
 default targets with the skip turned off, as the code before it ran (every wrapped module computed in any
 step that has an adapter: the slot pool reports every group, so captured decode replays the all-targets
-graph), on the same engine as with it; and both again in captured decode (the CPU capture emulation).
+graph), on the same engine as with it; and both again in captured decode (the CPU capture emulation); and
+a second engine with the benchmark's settings, whose ratio to the first is the spread between engines.
 Each round runs every variant once, in a rotated order, timing its decode steps (wall and process CPU
 time, one thread) for c requests at once (c = 4, light serving load; c = 32, a full batch; 32 prompt tokens,
 16 output tokens), one adapter per request in turn. Ratios are taken per round, then their median; CPU ms
@@ -32,6 +33,7 @@ DEFAULT_TARGETS = {"lora_target_modules": None}
 CAPTURED = {"lora_target_modules": None, "emulate_capture": True}
 VARIANTS = {   # name -> (settings that differ from BENCH, skip on)
     "bench": ({}, True),
+    "bench_again": ({"seed": 1}, True),   # a second engine doing the same work: the spread between engines
     "default_targets": (DEFAULT_TARGETS, True),
     "default_targets_no_skip": (DEFAULT_TARGETS, False),
     "max_num_seqs_64": ({"max_num_seqs": 64}, True),
@@ -41,6 +43,7 @@ VARIANTS = {   # name -> (settings that differ from BENCH, skip on)
     "captured_default_targets_no_skip": (CAPTURED, False),
 }
 RATIOS = {   # label -> (variant, against)
+    "bench_again_over_bench": ("bench_again", "bench"),
     "no_skip_over_skip": ("default_targets_no_skip", "default_targets"),
     "captured_no_skip_over_skip": ("captured_default_targets_no_skip", "captured_default_targets"),
     "default_targets_over_bench": ("default_targets", "bench"),
@@ -90,6 +93,14 @@ def timed_run(engine, prompts, c: int, max_tokens: int) -> dict:
     return {"wall_ms_per_step": 1e3 * wall / steps, "cpu_ms_per_step": 1e3 * cpu / steps}
 
 
+def tape_ops(engine) -> dict:
+    """Ops on each captured decode tape by (batch, LoRA tier): the time-independent count of what a tier skips."""
+    runner = engine.executor.runner.graph_runner
+    names = {tier: "none" if not tier else "all" if tier == runner.tiers[-1] else "projections" for tier in runner.tiers}
+    return {f"batch {b}, {names[tier]}": graph.num_ops for (b, _, tier), (graph, _) in sorted(
+        runner.graphs.items(), key=lambda item: (item[0][0], runner.tiers.index(item[0][2])))}
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -121,12 +132,13 @@ def main(argv=None) -> dict:
                                                     f"{v['wall_ms_per_step']:.1f} ms wall" for c, v in got[name].items()),
                   flush=True)
         rounds.append(got)
+    ops = tape_ops(engine_of["captured_default_targets"])
     for engine in engines.values():
         engine.close()
     data = {"benchmark": "targets", "dtype": args.dtype, "threads": args.threads, "max_tokens": MAX_TOKENS,
             "concurrency": list(CONCURRENCY), "bench_settings": {**BENCH, "lora_target_modules": list(ALL7)},
             "cli_settings": CLI, "variants": {k: {"settings": s, "skip": on} for k, (s, on) in VARIANTS.items()},
-            "machine": machine_info(), "rounds": rounds}
+            "machine": machine_info(), "rounds": rounds, "tape_ops": ops}
     for key in ("cpu_ms_per_step", "wall_ms_per_step"):
         data[key] = {name: {str(c): median([r[name][str(c)][key] for r in rounds]) for c in CONCURRENCY}
                      for name in VARIANTS}
