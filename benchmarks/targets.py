@@ -101,6 +101,36 @@ def tape_ops(engine) -> dict:
         runner.graphs.items(), key=lambda item: (item[0][0], runner.tiers.index(item[0][2])))}
 
 
+def skipped_op_ms(dtype: str, c: int, reps: int = 30) -> dict:
+    """CPU ms of one decode step's embed_tokens and lm_head LoRA ops alone (what the skip saves when no adapter
+    of the step targets them), on the cpu backend, c tokens over min(c, 8) adapters of the bench shape."""
+    import torch
+
+    from benchmarks.checkpoint import DTYPES
+    from lora.backends import get_backend
+    from lora.slots import GroupShape, SlotPool
+
+    shape, dt = FULL.shape, DTYPES[dtype]
+    groups = {"embed_tokens": GroupShape(shape.vocab_size, (shape.hidden_size,)),
+              "lm_head": GroupShape(shape.hidden_size, (shape.vocab_size,))}
+    pool = SlotPool(1, groups, 8, FULL.rank, dt, "cpu")
+    backend = get_backend("cpu", "cpu", dt, FULL.rank)
+    (ea, eb), (ha, hb) = pool.buffers[(-1, "embed_tokens")], pool.buffers[(-1, "lm_head")]
+    embed, head = backend.bind_embedding("embed", ea, eb[0]), backend.bind("head", ha, hb, (0, shape.vocab_size))
+    for buf in (ea, eb[0], ha, hb[0]):
+        buf.normal_()
+    info = backend.batch_info([i % 8 for i in range(c)], [FULL.rank] * 8, "decode")
+    ids, h = torch.randint(0, shape.vocab_size, (c,)), torch.randn(c, shape.hidden_size, dtype=dt)
+    y_embed, logits = torch.zeros(c, shape.hidden_size, dtype=dt), torch.zeros(c, shape.vocab_size, dtype=dt)
+    times = {"embed_tokens": [], "lm_head": []}
+    for _ in range(reps):
+        for name, run in (("embed_tokens", lambda: embed(y_embed, ids, info)), ("lm_head", lambda: head(logits, h, info))):
+            c0 = time.process_time()
+            run()
+            times[name].append(1e3 * (time.process_time() - c0))
+    return {name: median(v) for name, v in times.items()}
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -138,7 +168,8 @@ def main(argv=None) -> dict:
     data = {"benchmark": "targets", "dtype": args.dtype, "threads": args.threads, "max_tokens": MAX_TOKENS,
             "concurrency": list(CONCURRENCY), "bench_settings": {**BENCH, "lora_target_modules": list(ALL7)},
             "cli_settings": CLI, "variants": {k: {"settings": s, "skip": on} for k, (s, on) in VARIANTS.items()},
-            "machine": machine_info(), "rounds": rounds, "tape_ops": ops}
+            "machine": machine_info(), "rounds": rounds, "tape_ops": ops,
+            "skipped_op_cpu_ms": {str(c): skipped_op_ms(args.dtype, c) for c in CONCURRENCY}}
     for key in ("cpu_ms_per_step", "wall_ms_per_step"):
         data[key] = {name: {str(c): median([r[name][str(c)][key] for r in rounds]) for c in CONCURRENCY}
                      for name in VARIANTS}
