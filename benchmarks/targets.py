@@ -96,7 +96,8 @@ def timed_run(engine, prompts, c: int, max_tokens: int) -> dict:
 def tape_ops(engine) -> dict:
     """Ops on each captured decode tape by (batch, LoRA tier): the time-independent count of what a tier skips."""
     runner = engine.executor.runner.graph_runner
-    names = {tier: "none" if not tier else "all" if tier == runner.tiers[-1] else "projections" for tier in runner.tiers}
+    names = {tier: "none" if not tier else "all" if tier == runner.tiers[-1] else "projections"
+             for tier in runner.tiers}
     return {f"batch {b}, {names[tier]}": graph.num_ops for (b, _, tier), (graph, _) in sorted(
         runner.graphs.items(), key=lambda item: (item[0][0], runner.tiers.index(item[0][2])))}
 
@@ -124,7 +125,8 @@ def skipped_op_ms(dtype: str, c: int, reps: int = 30) -> dict:
     y_embed, logits = torch.zeros(c, shape.hidden_size, dtype=dt), torch.zeros(c, shape.vocab_size, dtype=dt)
     times = {"embed_tokens": [], "lm_head": []}
     for _ in range(reps):
-        for name, run in (("embed_tokens", lambda: embed(y_embed, ids, info)), ("lm_head", lambda: head(logits, h, info))):
+        for name, run in (("embed_tokens", lambda: embed(y_embed, ids, info)),
+                          ("lm_head", lambda: head(logits, h, info))):
             c0 = time.process_time()
             run()
             times[name].append(1e3 * (time.process_time() - c0))
@@ -158,9 +160,9 @@ def main(argv=None) -> dict:
         for name in names[r % len(names):] + names[:r % len(names)]:   # rotated: none always first or last
             set_skip(engine_of[name], VARIANTS[name][1])
             got[name] = {str(c): timed_run(engine_of[name], prompts, c, MAX_TOKENS) for c in CONCURRENCY}
-            print(f"round {r} {name}: " + ", ".join(f"c={c} {v['cpu_ms_per_step']:.1f} ms CPU / "
-                                                    f"{v['wall_ms_per_step']:.1f} ms wall" for c, v in got[name].items()),
-                  flush=True)
+            line = ", ".join(f"c={c} {v['cpu_ms_per_step']:.1f} ms CPU / {v['wall_ms_per_step']:.1f} ms wall"
+                             for c, v in got[name].items())
+            print(f"round {r} {name}: {line}", flush=True)
         rounds.append(got)
     ops = tape_ops(engine_of["captured_default_targets"])
     for engine in engines.values():

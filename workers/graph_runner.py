@@ -10,8 +10,8 @@ follows the batch's context, not max_model_len.
 When the graphs are captured: on a device all of them up front, largest first, sharing one memory pool (each
 smaller graph fits in what the larger ones freed; about batch buckets x log2(max_model_len / block) captures
 per LoRA tier (below), e.g. 7 x 10 at 32k, a few seconds each batch bucket, paid once at start-up instead of
-as a latency spike in serving). The CPU capture emulation (EngineConfig.emulate_capture, workers/tape_graph.py) captures each
-(batch, width) lazily on its first use: a tape keeps every tensor it allocated, with no pool to share, so
+as a latency spike in serving). The CPU capture emulation (EngineConfig.emulate_capture, workers/tape_graph.py)
+captures each (batch, width) lazily on its first use: a tape keeps every tensor it allocated, with no pool to share, so
 capturing every width up front would hold each width's whole gathered KV at once (at 32k, batch 16 on the
 bench checkpoint, ~16 GB for the widest graph alone).
 
