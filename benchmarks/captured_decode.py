@@ -78,7 +78,7 @@ def run(sizes: Sizes = SIZES, dtype: str = "bfloat16", lengths=(2048, 32768), fu
         start = time.perf_counter()
         out = generate(engine, prompts, adapters, sizes.max_tokens)   # also captures the widths used (lazily)
         tokens_identical[name] = out == reference
-        widths[name] = sorted({w for (_, w) in graphs.graphs})
+        widths[name] = sorted({w for (_, w, _) in graphs.graphs})
         log(f"[captured_decode] {name}: widths captured {widths[name]} (of {len(graphs.widths)}), "
             f"tokens identical to eager: {tokens_identical[name]} ({time.perf_counter() - start:.1f} s)")
         engines[name] = engine

@@ -73,8 +73,9 @@ def make_engine(model_dir: Path, dtype: str, sizes: Sizes, enable_lora: bool = T
         # The whole batch's prompts in one step, as in every recorded run: these benchmarks time decode
         # (the scheduling benchmark measures chunked prefill on its own, against the engine without it).
         max_num_batched_tokens=max(2048, sizes.batch * sizes.prompt_len),
-        # The adapters' own target set: with the default (which adds embed_tokens and lm_head)
-        # every LoRA step also runs the all-zero vocab-sized embedding / LM-head deltas.
+        # The adapters' own target set, as in every recorded run; since steps skip the modules their adapters
+        # do not target, the default (embed_tokens and lm_head too) costs the same decode time
+        # (results/targets.md) and only adds the vocabulary-sized slot buffers.
         lora_target_modules=ALL7))
 
 

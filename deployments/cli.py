@@ -53,7 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      metavar="MODULE",
                      help="modules that get LoRA buffers (default: every supported one: "
                           f"{' '.join(SUPPORTED_LORA_MODULES)}); adapters targeting others are refused. "
-                          "Leaving out embed_tokens / lm_head saves their vocabulary-sized buffers and work")
+                          "Leaving out embed_tokens / lm_head saves their vocabulary-sized buffers (a step runs the LoRA of "
+                          "only the modules its adapters target, whatever this list)")
     run.add_argument("--max-num-batched-tokens", type=int, default=None,
                      help="tokens per engine step, decodes first (default per device: 128 on cpu, 2048 else)")
     run.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,

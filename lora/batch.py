@@ -6,6 +6,8 @@ Two views of the same assignment of tokens to slots:
 - segments (runs of consecutive tokens with one slot) and the step's `plan` (the tokens
   grouped by adapter), built on the host once per step for the eager phases.
 Slot -1 is the base model: its tokens get exactly zero delta.
+`groups` names the LoRA groups (lora/modules.py) the step computes: a module that no adapter of the step
+targets would only add zeros, so its layer skips its op (on the host: a captured graph just lacks it).
 The LoRA scaling is folded into B when an adapter is loaded into a slot (per
 layer and module, so rank_pattern / alpha_pattern stay exact): no scalings here.
 """
@@ -85,6 +87,7 @@ class LoRABatchInfo:
     phase: str = "prefill"             # prefill | decode (eager) | graph (set by use_graph)
     plan: LoRAPlan | None = None       # eager torch / cpu ops: built from the host lists if they are given
     any_lora: bool | None = None       # host-side: a token of the step has an adapter (None: from the plan)
+    groups: frozenset[str] | None = None   # the groups whose LoRA runs (None: every group)
 
     def __post_init__(self):
         if self.use_graph or self.phase == "graph":
@@ -101,6 +104,10 @@ class LoRABatchInfo:
         if self.any_lora is not None:
             return self.any_lora
         return self.plan is not None and bool(self.plan.groups)
+
+    def computes(self, group: str) -> bool:
+        """Whether the layers of `group` run their LoRA op in this step (decided on the host)."""
+        return (self.use_graph or self.has_lora) and (self.groups is None or group in self.groups)
 
 
 def segments(token_slots: list[int]) -> tuple[list[int], list[int]]:

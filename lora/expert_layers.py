@@ -22,6 +22,7 @@ from torch import nn
 
 from lora.backends.base import LayerLoRA, LoRABackend
 from lora.batch import LoRABatchInfo
+from lora.modules import EXPERT_GROUPS
 
 
 class MoeExpertsLoRA(nn.Module):
@@ -41,8 +42,9 @@ class MoeExpertsLoRA(nn.Module):
             return getattr(super().__getattr__("base"), name)
 
     def row_info(self, rows, lora: LoRABatchInfo | None) -> LoRABatchInfo | None:
-        """The rows' LoRA batch info over combined (slot, expert) indices; None when no row has an adapter."""
-        if lora is None or not (lora.use_graph or lora.has_lora):
+        """The rows' LoRA batch info over combined (slot, expert) indices; None when no row has an adapter
+        or no adapter of the step targets the experts (lora.groups)."""
+        if lora is None or not any(lora.computes(group) for group in EXPERT_GROUPS):
             return None
         E = self.base.num_experts
         if lora.use_graph:   # on the device, fixed shapes: an index per row, -1 for base rows
@@ -65,11 +67,11 @@ class MoeExpertsLoRA(nn.Module):
             return self.base(x, rows)
         xs = self.base.gather(x, rows)
         h = self.base.gate_up(xs, rows)
-        if self.gate_up_op is not None:
+        if self.gate_up_op is not None and lora.computes("experts_gate_up"):
             self.gate_up_op(h, xs, info)
         act = self.base.act(h)
         y = self.base.down(act, rows)
-        if self.down_op is not None:
+        if self.down_op is not None and lora.computes("experts_down"):
             self.down_op(y, act, info)
         return self.base.combine(y, rows, x.shape[0])
 

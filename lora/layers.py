@@ -18,16 +18,16 @@ from lora.batch import LoRABatchInfo
 from lora.modules import EXPERT_GROUPS, PACKED_MODULES
 
 
-def _active(lora: LoRABatchInfo | None) -> bool:
-    # Host-side check only: the graph-safe path always runs (shapes must not depend on data).
-    return lora is not None and (lora.use_graph or lora.has_lora)
-
-
 class _LoRALayer(nn.Module):
-    def __init__(self, base: nn.Module, a: torch.Tensor, b: tuple[torch.Tensor, ...], op: LayerLoRA):
+    def __init__(self, base: nn.Module, a: torch.Tensor, b: tuple[torch.Tensor, ...], op: LayerLoRA, group: str):
         super().__init__()
-        self.base, self.op = base, op
+        self.base, self.op, self.group = base, op, group
         self.lora_a, self.lora_b = a, b
+
+    def runs(self, lora: LoRABatchInfo | None) -> bool:
+        # Host-side only (the graph-safe path never asks the data): a module no adapter of the step
+        # targets adds zeros, so it is skipped; in a captured graph that op is simply not recorded.
+        return lora is not None and lora.computes(self.group)
 
     def __getattr__(self, name):
         try:
@@ -41,7 +41,7 @@ class ColumnParallelLoRA(_LoRALayer):
 
     def forward(self, x: torch.Tensor, lora: LoRABatchInfo | None = None) -> torch.Tensor:
         y = self.base(x)
-        if _active(lora):
+        if self.runs(lora):
             self.op(y, x, lora)
         return y
 
@@ -51,7 +51,7 @@ class RowParallelLoRA(_LoRALayer):
 
     def forward(self, x: torch.Tensor, lora: LoRABatchInfo | None = None) -> torch.Tensor:
         y = self.base.partial(x)
-        if _active(lora):
+        if self.runs(lora):
             self.op(y, x, lora)
         return self.base.reduce(y)
 
@@ -61,7 +61,7 @@ class EmbeddingLoRA(_LoRALayer):
 
     def forward(self, ids: torch.Tensor, lora: LoRABatchInfo | None = None) -> torch.Tensor:
         y = self.base(ids)
-        if _active(lora):
+        if self.runs(lora):
             self.op(y, ids, lora)
         return y
 
@@ -71,7 +71,7 @@ class LMHeadLoRA(_LoRALayer):
 
     def forward(self, h: torch.Tensor, lora: LoRABatchInfo | None = None) -> torch.Tensor:
         y = self.base.partial(h)
-        if _active(lora):
+        if self.runs(lora):
             self.op(y, h, lora)
         return self.base.gather(y)
 
@@ -101,4 +101,4 @@ def wrap_model(model: nn.Module, buffers: dict, backend: LoRABackend) -> None:
             base, name = getattr(parent, attr), f"{index}.{group.name}"
             op = (backend.bind_embedding(name, a, b[0]) if group.parallel == "embedding"
                   else backend.bind(name, a, b, _offsets(base, group.parallel, b)))
-            setattr(parent, attr, kinds[group.parallel](base, a, b, op))
+            setattr(parent, attr, kinds[group.parallel](base, a, b, op, group.name))

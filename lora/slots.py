@@ -132,6 +132,7 @@ class SlotPool:
         self.shard = shard or _no_shard
         self.num_expert_slots = num_slots if num_expert_slots is None else num_expert_slots
         self.slot_ranks: list[int] = [0] * num_slots
+        self.slot_groups: list[frozenset[str]] = [frozenset()] * num_slots   # the groups its adapter fills
         self.expert_ranks: list[int] = [0] * self.num_expert_slots   # by expert slot: its rank, 0 = empty
         # slot -> its adapter's expert slot (-1: none); the device copy is what a captured decode reads
         self.expert_slot_of: list[int] = [-1] * num_slots
@@ -203,6 +204,7 @@ class SlotPool:
             # scaled in fp32 and rounded once, straight into the slot (no temporary)
             torch.mul(b.float(), scaling, out=buf_b[s][index, :, :r])
         self.slot_ranks[slot] = adapter.rank
+        self.slot_groups[slot] = frozenset(group for (_, group, _), _, _, _ in pieces)
         self._map_expert_slot(slot, expert_slot if has_experts else -1)
         if has_experts:
             self.expert_ranks[expert_slot] = max(a.shape[-2] for (_, group, _), a, _, _ in pieces
@@ -268,7 +270,13 @@ class SlotPool:
             for (_, group), table in self.a_shared.items():
                 table[self._index(group, expert_slot)] = 0
         self.slot_ranks[slot] = 0
+        self.slot_groups[slot] = frozenset()
         self._map_expert_slot(slot, -1)
+
+    def groups_of(self, slots: Iterable[int]) -> frozenset[str]:
+        """The groups that the adapters in `slots` fill (-1, the base, fills none): the only ones whose
+        LoRA adds anything for those slots' tokens (every other group's slice of theirs is zero)."""
+        return frozenset().union(*(self.slot_groups[s] for s in set(slots) if s >= 0))
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.num_slots:

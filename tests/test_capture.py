@@ -30,7 +30,7 @@ def test_decode_step_runs_under_fake_tensor_mode(model_dir):
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         for buf in ("input_ids", "positions", "slot_mapping", "context_lens", "block_tables", "token_slots"):
             setattr(graphs, buf, mode.from_tensor(getattr(graphs, buf)))
-        batch = graphs._batch(b, graphs.width, graphs._graph_lora(b))
+        batch = graphs._batch(b, graphs.width, graphs._graph_lora(b, None))
         with OpLog() as log:
             logits = engine.executor.runner.model(batch, engine.executor.runner.kv_cache)
         assert "loraserve::bgmv_add" in log.names, "the graph-safe LoRA did not run through the kernel's op"
@@ -224,11 +224,11 @@ def test_replay_switches_to_a_wider_graph_as_sequences_grow(model_dir, adapters,
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     a, b = _generate(eager, params, names), _generate(captured, params, names)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
-    widths = [w for (_, w), _ in chosen]
+    widths = [w for (_, w, _), _ in chosen]
     assert widths == sorted(widths) and {8, 16} <= set(widths)            # switched graph at each boundary
-    for (bucket, w), needed in chosen:                                  # the narrowest covering graph
+    for (bucket, w, _), needed in chosen:                               # the narrowest covering graph
         assert bucket == 4 and needed <= w and (w == runner.widths[0] or needed > w // 2)
-    assert {w for _, w in runner.graphs} == set(widths)                 # only the widths used were captured
+    assert {w for _, w, _ in runner.graphs} == set(widths)              # only the widths used were captured
 
 
 def test_up_front_capture_of_every_bucket_replays_exactly(model_dir, adapters):
@@ -240,8 +240,10 @@ def test_up_front_capture_of_every_bucket_replays_exactly(model_dir, adapters):
     runner.lazy = False
     with torch.inference_mode():
         runner._capture_all()
-    keys = {(b, w) for b in runner.buckets for w in runner.widths}
-    assert set(runner.graphs) == keys == {(b, w) for b in (1, 2, 4) for w in (4, 8)}
+    keys = {(b, w, t) for b in runner.buckets for w in runner.widths for t in runner.tiers}
+    # every LoRA tier too: none, the projections, all targets (embed_tokens and lm_head)
+    assert len(runner.tiers) == 3 and runner.tiers[0] == frozenset() and runner.tiers[-1] >= {"lm_head"}
+    assert set(runner.graphs) == keys == {(b, w, t) for b in (1, 2, 4) for w in (4, 8) for t in runner.tiers}
     assert len({id(g.pool()) for g, _ in runner.graphs.values()}) == 1
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     for names in (["A", None, "B"], ["C"]):
@@ -317,7 +319,9 @@ def test_failing_capture_of_one_bucket_runs_that_bucket_eagerly(model_dir, adapt
             assert [o.token_ids for o in _generate(captured, params, names)] == \
                 [o.token_ids for o in _generate(eager, params, names)]
     warnings = [r for r in caplog.records if r.name == "workers.graph_runner"]
-    assert list(runner.failed) == [(4, 4)] and (4, 4) not in runner.graphs and (1, 4) in runner.graphs
+    projections = runner.tiers[1]      # the adapters' (ALL7) tier
+    assert list(runner.failed) == [(4, 4, projections)] and (4, 4, projections) not in runner.graphs \
+        and (1, 4, projections) in runner.graphs
     assert len(warnings) == 1 and "batch bucket 4" in warnings[0].getMessage() \
         and "CaptureError" in warnings[0].getMessage()
 

@@ -8,10 +8,10 @@ max_model_len's; a step replays the smallest graph covering its batch and its wi
 follows the batch's context, not max_model_len.
 
 When the graphs are captured: on a device all of them up front, largest first, sharing one memory pool (each
-smaller graph fits in what the larger ones freed; about batch buckets x log2(max_model_len / block) captures,
-e.g. 7 x 10 at 32k, a few seconds each batch bucket, paid once at start-up instead of as a latency spike in
-serving). The CPU capture emulation (EngineConfig.emulate_capture, workers/tape_graph.py) captures each
-(batch, width) lazily on its first use: a tape keeps every tensor it allocated, with no pool to share, so
+smaller graph fits in what the larger ones freed; about batch buckets x log2(max_model_len / block) captures
+per LoRA tier (below), e.g. 7 x 10 at 32k, a few seconds each batch bucket, paid once at start-up instead of
+as a latency spike in serving). The CPU capture emulation (EngineConfig.emulate_capture, workers/tape_graph.py)
+captures each (batch, width) lazily on its first use: a tape keeps every tensor it allocated, with no pool to share, so
 capturing every width up front would hold each width's whole gathered KV at once (at 32k, batch 16 on the
 bench checkpoint, ~16 GB for the widest graph alone).
 
@@ -23,6 +23,14 @@ capture fails (and its buckets then run eagerly).
 
 On CPU without the emulation the same static-buffer path runs eagerly (trimming the block table to the
 widest sequence, which only an eager run can do).
+
+LoRA: a module that no adapter of the step targets would add only zeros (embed_tokens and lm_head, in the
+default targets, read vocab x rank weights per adapter for that). A graph replays a fixed
+op sequence, so the skip is chosen per graph: each (batch, width) is captured once per LoRA tier, the
+group sets of `lora_tiers` (no LoRA at all, as vLLM's cudagraph_specialize_lora; the per-layer groups;
+every target), and a step replays the narrowest tier covering the groups its adapters fill. So an adapter
+hot-loaded later with lm_head weights is computed from its first step on, and the usual adapters (the
+projections only) never pay for the LM head. Eager steps skip exactly the groups no adapter of theirs fills.
 """
 from __future__ import annotations
 
@@ -31,6 +39,7 @@ import logging
 import torch
 
 from lora.batch import LoRABatchInfo
+from lora.modules import GROUPS
 from workers import tape_graph
 from workers.forward_batch import ForwardBatch
 from workers.kv_cache import blocks_needed
@@ -39,6 +48,15 @@ from workers.plan import StepPlan
 logger = logging.getLogger(__name__)
 
 MIN_GRAPH_WIDTH = 4   # blocks: a narrower graph saves nothing worth its capture (64 tokens at block size 16)
+
+
+def lora_tiers(groups: frozenset[str] | None) -> tuple[frozenset[str] | None, ...]:
+    """The LoRA group sets captured for each (batch, width), narrowest first: none, the per-layer groups,
+    all of `groups` (the buffers the runner has); (None,) with LoRA off."""
+    if groups is None:
+        return (None,)
+    per_layer = frozenset(g for g in groups if GROUPS[g].path is not None)
+    return tuple(dict.fromkeys((frozenset(), per_layer, groups)))
 
 
 def width_buckets(max_blocks: int, smallest: int = MIN_GRAPH_WIDTH) -> tuple[int, ...]:
@@ -54,7 +72,7 @@ def width_buckets(max_blocks: int, smallest: int = MIN_GRAPH_WIDTH) -> tuple[int
 
 class GraphRunner:
     def __init__(self, model, kv_cache, platform, device, config, max_model_len: int, capture: bool, graph_safe: bool,
-                 lora_backend=None):
+                 lora_backend=None, lora_groups: frozenset[str] | None = None):
         self.model, self.kv_cache, self.platform, self.device = model, kv_cache, platform, device
         self.block_size = config.kv_block_size
         self.emulated = platform.name == "cpu" and config.emulate_capture and not config.enforce_eager
@@ -62,6 +80,7 @@ class GraphRunner:
             capture, graph_safe = True, True
         self.capture, self.graph_safe = capture, graph_safe
         self.lora_backend = lora_backend   # None: LoRA off
+        self.tiers = lora_tiers(lora_groups if lora_backend is not None else None)
         self.buckets = sorted({b for b in config.graph_batch_sizes if b < config.max_num_seqs} | {config.max_num_seqs})
         n, self.width = self.buckets[-1], blocks_needed(max_model_len, self.block_size)
         self.widths = width_buckets(self.width)
@@ -73,8 +92,9 @@ class GraphRunner:
         self.block_tables = torch.zeros(n, self.width, **i64)
         self.token_slots = torch.full((n,), -1, **i64)
         self.logits_indices = torch.arange(n, **i64)
-        self.graphs: dict[tuple[int, int], tuple[object, torch.Tensor]] = {}   # (batch, width) -> graph, logits
-        self.failed: dict[tuple[int, int], str] = {}                            # (batch, width) -> error, eager
+        # (batch, width, LoRA tier) -> graph, logits / -> the capture's error (that bucket runs eagerly)
+        self.graphs: dict[tuple[int, int, frozenset | None], tuple[object, torch.Tensor]] = {}
+        self.failed: dict[tuple[int, int, frozenset | None], str] = {}
         self._pool = None
         if self.emulated:
             self._new_graph, self._graph_context = tape_graph.TapeGraph, tape_graph.graph
@@ -91,10 +111,16 @@ class GraphRunner:
         """The narrowest captured width covering `width` blocks."""
         return next(w for w in self.widths if w >= width)
 
-    def _graph_lora(self, b: int) -> LoRABatchInfo | None:
+    def tier(self, groups: frozenset[str] | None) -> frozenset[str] | None:
+        """The narrowest captured LoRA tier covering `groups` (what the step's adapters fill; None: all)."""
+        if groups is None:
+            return self.tiers[-1]
+        return next((t for t in self.tiers if t is None or groups <= t), self.tiers[-1])
+
+    def _graph_lora(self, b: int, groups: frozenset[str] | None) -> LoRABatchInfo | None:
         if self.lora_backend is None:
             return None
-        return self.lora_backend.graph_info(self.token_slots[:b])
+        return self.lora_backend.graph_info(self.token_slots[:b], groups)
 
     def _batch(self, b: int, width: int, lora: LoRABatchInfo | None) -> ForwardBatch:
         return ForwardBatch(input_ids=self.input_ids[:b], positions=self.positions[:b],
@@ -119,31 +145,34 @@ class GraphRunner:
         self.token_slots[:b].copy_(host(plan.lora_slots + [-1] * pad), non_blocking=True)
         return width
 
-    def decode(self, plan: StepPlan, lora: LoRABatchInfo | None) -> torch.Tensor:
-        """Logits [num_seqs, vocab]; `lora` is the host-segment info used by the eager control path."""
+    def decode(self, plan: StepPlan, lora: LoRABatchInfo | None, groups: frozenset[str] | None = None) -> torch.Tensor:
+        """Logits [num_seqs, vocab]; `lora` is the host-segment info used by the eager control path, `groups`
+        the LoRA groups the step's adapters fill (None: every group)."""
         B = plan.num_seqs
         b = self._bucket(B) if (self.capture or self.graph_safe) else B
         width = self._fill(plan, b)
         if self.capture:
-            key = (b, self.width_bucket(width))
+            key = (b, self.width_bucket(width), self.tier(groups))
             if self.lazy and key not in self.graphs and key not in self.failed:
                 self._capture(*key)
             if key in self.graphs:
                 graph, logits = self.graphs[key]
                 graph.replay()
                 return logits[:B]
-        lora = self._graph_lora(b) if self.graph_safe else lora
+        lora = self._graph_lora(b, groups) if self.graph_safe else lora
         return self.model(self._batch(b, width, lora), self.kv_cache)[:B]
 
     def _capture_all(self) -> None:
-        for b in reversed(self.buckets):  # largest first so smaller graphs reuse its memory pool
-            for w in reversed(self.widths):
-                self._capture(b, w)
+        for tier in reversed(self.tiers):     # largest first so smaller graphs reuse its memory pool
+            for b in reversed(self.buckets):
+                for w in reversed(self.widths):
+                    self._capture(b, w, tier)
 
-    def _capture(self, b: int, w: int) -> None:
-        """Capture the (batch b, width w) graph on the static buffers as they are; on failure that bucket
-        runs eagerly from now on (one warning)."""
-        batch = self._batch(b, w, self._graph_lora(b))
+    def _capture(self, b: int, w: int, tier: frozenset[str] | None) -> None:
+        """Capture the (batch b, width w) graph with the LoRA ops of `tier` on the static buffers as they are;
+        on failure that bucket runs eagerly from now on (one warning)."""
+        key = (b, w, tier)
+        batch = self._batch(b, w, self._graph_lora(b, tier))
         try:
             with torch.inference_mode():
                 self.model(batch, self.kv_cache)  # warm-up: lazy initialisation must not happen while capturing
@@ -152,9 +181,10 @@ class GraphRunner:
                 with self._graph_context(graph, self._pool):
                     logits = self.model(batch, self.kv_cache)
         except Exception as e:   # noqa: BLE001: any capture failure degrades to eager, never kills the worker
-            self.failed[(b, w)] = f"{type(e).__name__}: {e}"
-            logger.warning("decode graph capture failed for batch bucket %d, block-table width %d (%d tokens); "
-                           "that bucket runs eagerly: %s", b, w, w * self.block_size, self.failed[(b, w)])
+            self.failed[key] = f"{type(e).__name__}: {e}"
+            logger.warning("decode graph capture failed for batch bucket %d, block-table width %d (%d tokens), "
+                           "LoRA groups %s; that bucket runs eagerly: %s", b, w, w * self.block_size,
+                           "all" if tier is None else sorted(tier), self.failed[key])
             return
         self._pool = graph.pool()
-        self.graphs[(b, w)] = (graph, logits)
+        self.graphs[key] = (graph, logits)

@@ -148,7 +148,8 @@ class ModelRunner:
         capture = platform.supports_graphs and not config.enforce_eager
         self.graph_runner = GraphRunner(self.model, self.kv_cache, platform, device, config, runtime.max_model_len,
                                         capture=capture, graph_safe=capture if graph_safe is None else graph_safe,
-                                        lora_backend=self.lora_backend)
+                                        lora_backend=self.lora_backend,
+                                        lora_groups=frozenset(self.slot_pool.groups) if self.slot_pool else None)
 
     def _init_lora(self) -> SlotPool:
         cfg = self.runtime.hf_config
@@ -226,12 +227,15 @@ class ModelRunner:
     def _decode(self, plan: StepPlan) -> torch.Tensor:
         # The graph-safe path reads its own static slot buffer; only the eager path needs host segments.
         host_lora = None if self.graph_runner.graph_safe else self._lora_info(plan.lora_slots, "decode")
-        return self.graph_runner.decode(plan, host_lora)
+        groups = None if self.slot_pool is None else self.slot_pool.groups_of(plan.lora_slots)
+        return self.graph_runner.decode(plan, host_lora, groups)
 
     def _lora_info(self, token_slots: list[int], phase: str = "prefill"):
+        """Only the groups that the step's adapters target run (the others would add zeros)."""
         if self.slot_pool is None:
             return None
-        return self.lora_backend.batch_info(token_slots, self.slot_pool.slot_ranks, phase)
+        return self.lora_backend.batch_info(token_slots, self.slot_pool.slot_ranks, phase,
+                                            self.slot_pool.groups_of(token_slots))
 
     def _mixed(self, plan: StepPlan) -> torch.Tensor:
         """Any step that is not a pure decode, eagerly: decode rows first, then prefill chunks."""

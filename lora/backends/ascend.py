@@ -275,7 +275,8 @@ class AscendBackend(LoRABackend):
         self.contract = contract or _PROBED.get(_key(device, dtype, ops)) or TODAY
         self.needs_plan = False   # a layer on the torch maths (or an embedding) reads the grouped plan
 
-    def batch_info(self, token_slots: list[int], slot_ranks: Sequence[int], phase: str) -> LoRABatchInfo:
+    def batch_info(self, token_slots: list[int], slot_ranks: Sequence[int], phase: str,
+                   groups: frozenset[str] | None = None) -> LoRABatchInfo:
         plan = super().batch_info(token_slots, slot_ranks, phase).plan if self.needs_plan else None
         any_lora = any(s >= 0 and slot_ranks[s] > 0 for s in token_slots)
         if phase == "prefill":   # three views of one transfer, in the contract's index dtype
@@ -286,7 +287,7 @@ class AscendBackend(LoRABackend):
         else:                    # bgmv reads only the per-token slots
             fields = dict(token_slots=to_device(token_slots, self.device, self.contract.index_dtype))
         return LoRABatchInfo(phase=phase, plan=plan, any_lora=any_lora, max_rank=self.max_rank,
-                             token_slots_host=tuple(token_slots), **fields)
+                             token_slots_host=tuple(token_slots), groups=groups, **fields)
 
     def row_batch_info(self, index: torch.Tensor, ranks: torch.Tensor, phase: str) -> LoRABatchInfo:
         return self.batch_info(index.tolist(), ranks.tolist(), phase)   # the kernels read segments / per-row indices

@@ -58,11 +58,14 @@ class LoRABackend:
         self.fallbacks: Counter[str] = Counter()   # reason -> layers bound to the torch maths instead
 
     # ---- per step ---------------------------------------------------------------------------
-    def batch_info(self, token_slots: list[int], slot_ranks: Sequence[int], phase: str) -> LoRABatchInfo:
-        """The eager phases (prefill / decode): the step's tokens grouped by adapter."""
+    def batch_info(self, token_slots: list[int], slot_ranks: Sequence[int], phase: str,
+                   groups: frozenset[str] | None = None) -> LoRABatchInfo:
+        """The eager phases (prefill / decode): the step's tokens grouped by adapter; only `groups` run
+        (None: every group)."""
         lens, slots = segments(token_slots)
         plan = plan_step(tuple(lens), tuple(slots), tuple(slot_ranks), self.max_rank, self.device, self.plan_split)
-        return LoRABatchInfo(phase=phase, plan=plan, max_rank=self.max_rank, token_slots_host=tuple(token_slots))
+        return LoRABatchInfo(phase=phase, plan=plan, max_rank=self.max_rank, token_slots_host=tuple(token_slots),
+                             groups=groups)
 
     def row_batch_info(self, index: torch.Tensor, ranks: torch.Tensor, phase: str) -> LoRABatchInfo:
         """An eager phase's batch info for rows with one index each, as host int64 tensors (index -1: none; ranks
@@ -70,9 +73,10 @@ class LoRABackend:
         plan = plan_rows(index, ranks, self.max_rank, self.device, self.plan_split)
         return LoRABatchInfo(phase=phase, plan=plan, max_rank=self.max_rank, any_lora=bool(plan.groups))
 
-    def graph_info(self, token_slots: torch.Tensor) -> LoRABatchInfo:
-        """A captured decode: only the static slot-per-token buffer, read on the device."""
-        return LoRABatchInfo(token_slots=token_slots, max_rank=self.max_rank, use_graph=True)
+    def graph_info(self, token_slots: torch.Tensor, groups: frozenset[str] | None = None) -> LoRABatchInfo:
+        """A captured decode: only the static slot-per-token buffer, read on the device; the graph holds
+        the ops of `groups` only (None: every group)."""
+        return LoRABatchInfo(token_slots=token_slots, max_rank=self.max_rank, use_graph=True, groups=groups)
 
     def _segment_tensors(self, token_slots: list[int]) -> dict:
         """token_slots, seg_lens, seg_slots on the device: three views of one transfer."""
