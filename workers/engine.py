@@ -23,6 +23,7 @@ from workers.grammar import GrammarCompiler, GrammarMatcher
 from workers.kv_cache import KVCache, blocks_needed
 from workers.models.loader import resolve_model_path
 from workers.output import RequestState
+from workers.plan import PlanBuilder
 from workers.quant.description import read_quantization
 from workers.runner import TORCH_DTYPES, RuntimeInfo
 from workers.sequence import RequestOutput, Sequence, TokenDelta
@@ -56,7 +57,8 @@ class LLMEngine:
         self.executor = self._make_executor()
         eos_ids = _eos_ids(hf_config, self.tokenizer)
         self.controller = Controller(config, self.runtime.num_kv_blocks, self.runtime.max_model_len,
-                                     self.max_num_batched_tokens, self.adapters, eos_ids, hf_config.vocab_size)
+                                     self.max_num_batched_tokens, self.adapters, eos_ids)
+        self.planner = PlanBuilder(config.max_num_seqs, hf_config.vocab_size)
         self.grammars = GrammarCompiler(path, hf_config.vocab_size, eos_ids)   # compiles on a thread of its own
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
@@ -192,9 +194,9 @@ class LLMEngine:
         """Run one step; the new tokens (or the end) of every request that progressed or ended."""
         touched = self.controller.errored
         self.controller.errored = []
-        scheduled = self.controller.schedule()
-        if scheduled is not None:
-            plan, items = scheduled
+        batch = self.controller.schedule()
+        if batch is not None:
+            plan, items = self.planner.build(batch, self.controller.eos_token_ids), batch.items
             decodes = sum(1 for n, s in zip(plan.query_lens, plan.samples) if n == 1 and s)
             self.last_step = (decodes, len(plan.input_ids) - decodes)
             try:
