@@ -72,13 +72,6 @@ class LLMConfig(BaseModel):
             return {**data, "api_key": os.environ[API_KEY_ENV]}
         return data
 
-    @field_validator("adapters")
-    @classmethod
-    def _adapter_names(cls, adapters: dict[str, str]) -> dict[str, str]:
-        for name in adapters:
-            check_adapter_name(name)
-        return adapters
-
     @field_validator("adapter_roots")
     @classmethod
     def _absolute_roots(cls, roots: list[str]) -> list[str]:
@@ -105,8 +98,8 @@ class LLMConfig(BaseModel):
             raise ValueError("set num_replicas or autoscaling_config, not both")
         check_device_resource(self.device, self.device_resource)
         EngineConfig(**self._engine_args())   # fail here, at the edge, on a bad engine setting
-        if self.base_model_name in self.adapters:
-            raise ValueError(f"adapter name {self.base_model_name!r} is the served base model's name; choose another")
+        for name in self.adapters:
+            check_adapter_name(name, self.base_model_name)
 
     def startup_warnings(self) -> list[str]:
         if self.enable_hotload and not self.adapter_roots:

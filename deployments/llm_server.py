@@ -30,6 +30,7 @@ from lora.sources import is_hub_id
 from workers.async_engine import AsyncLLMEngine
 from workers.config import SamplingParams
 from workers.engine import LLMEngine
+from workers.limits import check_prompt, check_token_ids, room_to_generate
 from workers.output import TokenNames
 from workers.sequence import RequestOutput
 
@@ -188,18 +189,14 @@ class LLMServer:
             if prompt is not None:
                 raise ValueError("give a prompt or chat messages, not both")
             prompt = await self.engine.render_chat(messages, tools=tools)
-        if prompt is None or (isinstance(prompt, (str, list)) and not prompt):
-            raise ValueError("prompt is empty")
+        check_prompt(prompt)
         if isinstance(prompt, str):
             prompt = await self.engine.encoder.encode(prompt)
         if isinstance(sampling_params, SamplingParams):
             return prompt, sampling_params
         kwargs = dict(sampling_params or {})
         if kwargs.get("max_tokens") is None and messages is not None:   # chat default: the rest of the context
-            kwargs["max_tokens"] = self.engine.max_model_len - len(prompt)
-            if kwargs["max_tokens"] < 1:
-                raise ValueError(f"the prompt ({len(prompt)} tokens) fills max_model_len "
-                                 f"({self.engine.max_model_len}); no room to generate")
+            kwargs["max_tokens"] = room_to_generate(len(prompt), self.engine.max_model_len)
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
         return prompt, SamplingParams(**kwargs)
 
@@ -225,10 +222,7 @@ class LLMServer:
         return out
 
     async def detokenize(self, tokens: list[int]) -> str:
-        vocab = self.engine.engine.runtime.hf_config.vocab_size
-        bad = [t for t in tokens if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"tokens {bad[:5]} are outside the vocabulary [0, {vocab})")
+        check_token_ids(tokens, self.engine.engine.runtime.hf_config.vocab_size, "tokens")
         return self.engine.decode_tokenizer.decode(tokens)
 
     # ---- adapters -----------------------------------------------------------------------------------

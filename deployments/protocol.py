@@ -1,4 +1,4 @@
-"""The OpenAI wire format: request bodies (validated) and response / stream-chunk bodies.
+"""The OpenAI wire format of requests: bodies validated here (responses are built in deployments/responses.py).
 
 Strict and honest: a field is either implemented, harmless (`HARMLESS`: accepted and
 ignored, it changes nothing in the answer), or accepted only at the value that means
@@ -8,15 +8,18 @@ Types are strict: `"4"` is not 4 and `true` is not a token id.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, get_type_hints
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from deployments.structured import (MessageToolCall, NamedToolChoice, ResponseFormat, StructuredOutputs, Tool,
                                     constraint)
 from deployments.tool_calls import END as TOOL_CALL_END
+from workers.config import MAX_LOGPROBS, SamplingParams
+from workers.limits import check_prompt
 
 # accepted and ignored: they label or route a request on OpenAI's side and change nothing in the answer
 HARMLESS = frozenset({"user", "metadata", "safety_identifier", "prompt_cache_key", "service_tier",
@@ -40,7 +43,6 @@ UNSUPPORTED_UNLESS = {
 }
 MAX_PROMPTS = 256                          # prompts of one /v1/completions request (each is a handle call)
 MAX_CHOICES = 16                           # n, best_of: each choice is a sequence of its own
-MAX_LOGPROBS = 20                          # alternatives per token (OpenAI's top_logprobs bound)
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)   # what torch.Generator.manual_seed takes
 
 
@@ -97,28 +99,31 @@ class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class OpenAIRequest(StrictModel):
+# SamplingParams fields the wire spells otherwise (or not at all); every other one is a request field of the same
+# name, type and default, declared once, in workers/config.py (its ranges are checked there: a ValueError, a 400)
+ENGINE_SPELLED = frozenset({"max_tokens", "logit_bias", "logprobs", "top_logprobs", "prompt_logprobs", "structured"})
+SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.name not in ENGINE_SPELLED)
+
+
+def _wire_field(f: dataclasses.Field) -> tuple[Any, Any]:
+    default = Field(default_factory=f.default_factory) if f.default is dataclasses.MISSING else f.default
+    return get_type_hints(SamplingParams)[f.name], default
+
+
+SamplingFields = create_model("SamplingFields", __base__=StrictModel, **{
+    f.name: _wire_field(f) for f in dataclasses.fields(SamplingParams) if f.name in SAMPLING_FIELDS})
+
+
+class OpenAIRequest(SamplingFields):
     harmless = HARMLESS
     unsupported = UNSUPPORTED_UNLESS
     model: str
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1                      # vLLM extension
     seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] = Field(default_factory=list)   # vLLM extension
-    ignore_eos: bool = False             # vLLM extension
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=MAX_CHOICES)  # choices; they share the prompt's KV blocks (prefix cache)
     return_tokens_as_token_ids: bool = False   # vLLM extension: logprobs name tokens "token_id:<id>"
-    # logits processors (ranges checked by workers.SamplingParams: a ValueError, so a 400)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0      # vLLM extension
-    min_p: float = 0.0                   # vLLM extension
-    min_tokens: int = 0                  # vLLM extension
     logit_bias: dict[str, float] | None = None   # OpenAI's: token id (as a JSON key) -> bias
     response_format: ResponseFormat | None = None              # deployments/structured.py
     structured_outputs: StructuredOutputs | None = None        # vLLM extension
@@ -128,12 +133,8 @@ class OpenAIRequest(StrictModel):
 
     def sampling_params(self, default_max_tokens: int | None) -> dict[str, Any]:
         """Keyword arguments of workers.SamplingParams; max_tokens None = the rest of the context."""
-        return dict(structured=self.constraint(),
+        return dict({name: getattr(self, name) for name in SAMPLING_FIELDS}, structured=self.constraint(),
                     max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
-                    temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
-                    stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-                    presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                    repetition_penalty=self.repetition_penalty, min_p=self.min_p, min_tokens=self.min_tokens,
                     logit_bias=self._token_bias(), top_logprobs=self.num_top_logprobs)
 
     @property
@@ -185,8 +186,7 @@ class CompletionRequest(OpenAIRequest):
         prompt = self.prompt
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             return [prompt]
-        if not prompt:
-            raise ValueError("prompt is empty")
+        check_prompt(prompt)
         if len(prompt) > MAX_PROMPTS:
             raise ValueError(f"prompt holds {len(prompt)} prompts; at most {MAX_PROMPTS} per request")
         return list(prompt)

@@ -27,7 +27,8 @@ from workers.plan import PlanBuilder
 from workers.quant.description import read_quantization
 from workers.runner import TORCH_DTYPES, RuntimeInfo
 from workers.sequence import RequestOutput, Sequence, TokenDelta
-from workers.tokenizer import check_prompt_chars, encode, max_prompt_chars
+from workers.limits import check_fits, check_prompt, check_prompt_chars, check_token_ids
+from workers.tokenizer import encode, max_prompt_chars
 from workers.worker import Worker
 
 Prompt = str | list[int]
@@ -130,27 +131,17 @@ class LLMEngine:
     # ---- requests ----------------------------------------------------------
     def _make_sequence(self, prompt: Prompt, params: SamplingParams, adapter: str | None,
                        request_id: str | None, grammar=None) -> Sequence:
+        check_prompt(prompt)
+        vocab, max_len = self.runtime.hf_config.vocab_size, self.runtime.max_model_len
         if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            check_prompt_chars(len(prompt), self.max_prompt_chars, self.runtime.max_model_len)
+            check_prompt_chars(len(prompt), self.max_prompt_chars, max_len)
             token_ids = encode(self.tokenizer, prompt)
         else:
             token_ids = list(prompt)
-            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.runtime.hf_config.vocab_size]
-            if bad:
-                raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary "
-                                 f"[0, {self.runtime.hf_config.vocab_size})")
-        if not token_ids:
-            raise ValueError("prompt is empty")
-        vocab = self.runtime.hf_config.vocab_size
-        bad = [t for t in (params.logit_bias or {}) if t >= vocab]
-        if bad:
-            raise ValueError(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        limit = self.runtime.max_model_len
-        if len(token_ids) + params.max_tokens > limit:
-            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                             f"max_model_len ({limit})")
+            check_token_ids(token_ids, vocab, "prompt token ids")
+        check_prompt(token_ids)   # also a text of nothing but what the tokenizer drops
+        check_token_ids(params.logit_bias or {}, vocab, "logit_bias token ids")
+        check_fits(len(token_ids), params.max_tokens, max_len)
         if adapter is not None:
             if self.adapters is None:
                 raise ValueError(f"adapter {adapter!r} requested but LoRA is disabled (enable_lora=False)")
