@@ -259,7 +259,8 @@ class LLMServer:
             raise AdapterError(f"adapter {name!r}: lora_path {str(source)[:200]!r} must be an absolute directory or a "
                                "Hub id (org/name[@revision]); relative paths are refused")
         self._check_not_configured(name, "replaced")
-        await asyncio.to_thread(check_hotload_source, name, source, self.config.adapter_roots, self._hotload_hub)
+        await asyncio.to_thread(check_hotload_source, name, source, self.config.engine.adapter_roots,
+                                self._hotload_hub)
         try:
             current = await self.adapters.source_of(name)
         except AdapterNotFoundError:
