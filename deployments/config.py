@@ -90,7 +90,8 @@ class LLMConfig(BaseModel):
             raise ValueError(f"engine_kwargs {sorted(unknown)} are not EngineConfig fields"
                              + (" (model is a field of this config itself)" if "model" in unknown else ""))
         if kwargs.get("adapter_roots"):   # replicas do not share the caller's working directory
-            kwargs = {**kwargs, "adapter_roots": [str(Path(r).expanduser().absolute()) for r in kwargs["adapter_roots"]]}
+            roots = [str(Path(root).expanduser().absolute()) for root in kwargs["adapter_roots"]]
+            kwargs = {**kwargs, "adapter_roots": roots}
         typed = _ENGINE.validate_python({**kwargs, "model": "-"})   # the model is checked in engine_config()
         return {name: getattr(typed, name) for name in kwargs}      # as EngineConfig holds them (tuples, ints)
 
@@ -156,7 +157,8 @@ class LLMConfig(BaseModel):
     def placement_group_bundles(self) -> list[dict[str, float]]:
         """Bundle 0 is the replica; then one device bundle per TP rank (the worker group takes the last ones)."""
         engine = self.engine
-        resource = engine.device_resource or (PLATFORMS[engine.device].ray_resource if engine.device != "auto" else "CPU")
+        own = PLATFORMS[engine.device].ray_resource if engine.device != "auto" else "CPU"
+        resource = engine.device_resource or own
         replica = {"CPU": self.replica_cpus}
         if self.in_process():
             if resource != "CPU":

@@ -1,22 +1,22 @@
 """The OpenAI wire format of requests: bodies validated here (responses are built in deployments/responses.py).
 
-Strict and honest: a field is either implemented, harmless (`HARMLESS`: accepted and
-ignored, it changes nothing in the answer), or accepted only at the value that means
-"off" (`UNSUPPORTED_UNLESS`), so a request is never silently served differently from
-what it asked for (`suffix: "x"` is a 400, not a completion without it). Any other field is a 400 naming it.
+Strict and honest (deployments/strict.py): a field is either implemented, harmless (`HARMLESS`: accepted
+and ignored, it changes nothing in the answer), or accepted only at the value that means "off"
+(`UNSUPPORTED_UNLESS`), so a request is never silently served differently from what it asked for
+(`suffix: "x"` is a 400, not a completion without it). Any other field is a 400 naming it.
 Types are strict: `"4"` is not 4 and `true` is not a token id.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
-from typing import Any, ClassVar, Literal, get_type_hints
+from typing import Any, Literal, get_type_hints
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+from pydantic import ConfigDict, Field, create_model, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from deployments.structured import (MessageToolCall, NamedToolChoice, ResponseFormat, StructuredOutputs, Tool,
                                     constraint)
+from deployments.strict import StrictModel, shown
 from deployments.tool_calls import END as TOOL_CALL_END
 from workers.config import MAX_LOGPROBS, SamplingParams
 from workers.limits import check_prompt
@@ -44,54 +44,6 @@ UNSUPPORTED_UNLESS = {
 MAX_PROMPTS = 256                          # prompts of one /v1/completions request (each is a handle call)
 MAX_CHOICES = 16                           # n, best_of: each choice is a sequence of its own
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)   # what torch.Generator.manual_seed takes
-
-
-def _is_off(value: Any, offs: tuple) -> bool:
-    """Type-exact: `true` is not 1 and `1.5` is not "off"; 0 and 0.0 are the same number."""
-    def same(off: Any) -> bool:
-        if off is None or isinstance(off, bool) or isinstance(value, bool):
-            return value is off           # None, true and false are singletons
-        if isinstance(off, (int, float)):
-            return isinstance(value, (int, float)) and value == off
-        return type(value) is type(off) and value == off
-    return any(same(off) for off in offs)
-
-
-def _shown(value: Any) -> str:
-    """A caller's value as JSON, cut short (it is echoed in an error message)."""
-    try:
-        text = json.dumps(value)
-    except (TypeError, ValueError):
-        text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-class StrictModel(BaseModel):
-    """extra="forbid" + strict types; `harmless` fields are dropped, `unsupported` ones pass only when "off"."""
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)   # JSON NaN is no sampling value
-    harmless: ClassVar[frozenset[str]] = frozenset()
-    unsupported: ClassVar[dict[str, tuple]] = {}
-
-    @model_validator(mode="before")
-    @classmethod
-    def _only_what_is_served(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        kept = {}
-        for field, value in data.items():
-            if field in cls.harmless:
-                continue
-            if field in cls.unsupported and field not in cls.model_fields:
-                offs = cls.unsupported[field]
-                if not _is_off(value, offs):
-                    raise PydanticCustomError("unsupported_parameter",
-                                              "{field}={value} is not supported by this server (only {offs})",
-                                              {"field": field, "value": _shown(value),
-                                               "offs": " or ".join(_shown(o) for o in offs if o is not None)
-                                               or "null"})
-                continue
-            kept[field] = value
-        return kept
 
 
 class StreamOptions(StrictModel):
@@ -146,7 +98,7 @@ class OpenAIRequest(SamplingFields):
             return None
         bad = next((key for key in self.logit_bias if not key.isdigit()), None)
         if bad is not None:
-            raise ValueError(f"logit_bias keys must be token ids (digits), got {_shown(bad)}")
+            raise ValueError(f"logit_bias keys must be token ids (digits), got {shown(bad)}")
         return {int(key): value for key, value in self.logit_bias.items()}
 
     @property
@@ -225,7 +177,7 @@ class ChatMessage(StrictModel):
         if isinstance(self.content, list):
             parts = [p for p in self.content if p.type != "text"]
             if parts:
-                raise ValueError(f"message content parts of type {_shown(parts[0].type)} are not supported")
+                raise ValueError(f"message content parts of type {shown(parts[0].type)} are not supported")
             return "".join(p.text for p in self.content)
         return self.content or ""
 

@@ -77,7 +77,8 @@ def test_npu_counts_agree_with_the_tensor_parallel_size(manifest, serve_configs)
     bundles = config.placement_group_bundles()
     assert bundles == [{"CPU": config.replica_cpus}] + [{"NPU": 1.0}] * config.engine.tensor_parallel_size
     assert npus % config.engine.tensor_parallel_size == 0
-    assert config.replica_cpus * npus // config.engine.tensor_parallel_size <= int(container["resources"]["limits"]["cpu"])
+    tp = config.engine.tensor_parallel_size
+    assert config.replica_cpus * npus // tp <= int(container["resources"]["limits"]["cpu"])
     # the worker group can hold every replica Serve autoscaling may ask for, and none without one
     replicas_per_pod = npus // config.engine.tensor_parallel_size
     assert group["minReplicas"] == 0 <= group["replicas"] <= group["maxReplicas"]
