@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator
 from ray import serve
 
 from deployments.adapter_mirror import AdapterMirror
-from deployments.choices import best, child_params, child_request_id, merge
+from deployments.choices import best, check_choices, child_params, child_request_id, merge
 from deployments.adapter_registry import RegistryClient
 from deployments.config import LLMConfig
 from deployments.errors import quiet_caller_errors
@@ -89,6 +89,7 @@ class LLMServer:
         """`n` finished choices (`index` 0..n-1); with best_of, that many are sampled and the n with the highest
         cumulative logprob returned. `echo`: each carries the prompt's text (`prompt_text`); `names`: the text
         and bytes of every token it names (`token_names`, for logprobs); `tools`: rendered by the chat template."""
+        check_choices(n, best_of)
         adapter, prompt_ids, params = await self._start(prompt, sampling_params, messages, tools)
         count = best_of or n
         try:
@@ -115,6 +116,7 @@ class LLMServer:
         Text is held back while it may still change: a trailing partial UTF-8
         character, or a possible start of a stop string.
         """
+        check_choices(n, stream=True)
         adapter, prompt_ids, params = await self._start(prompt, sampling_params, messages, tools)
         streams = [self._deltas(adapter, prompt_ids, child_params(params, i), child_request_id(request_id, i, n),
                                 i, prompt if echo else None, names) for i in range(n)]

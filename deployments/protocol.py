@@ -16,6 +16,7 @@ from pydantic_core import PydanticCustomError
 
 from deployments.structured import (MessageToolCall, NamedToolChoice, ResponseFormat, StructuredOutputs, Tool,
                                     constraint)
+from deployments.choices import MAX_CHOICES, check_choices
 from deployments.strict import StrictModel, shown
 from deployments.tool_calls import END as TOOL_CALL_END
 from workers.config import MAX_LOGPROBS, SamplingParams
@@ -42,7 +43,6 @@ UNSUPPORTED_UNLESS = {
     "guided_grammar": (None,), "priority": (None, 0), "request_id": (None,),
 }
 MAX_PROMPTS = 256                          # prompts of one /v1/completions request (each is a handle call)
-MAX_CHOICES = 16                           # n, best_of: each choice is a sequence of its own
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)   # what torch.Generator.manual_seed takes
 
 
@@ -114,10 +114,7 @@ class CompletionRequest(OpenAIRequest):
 
     @model_validator(mode="after")
     def _choices(self):
-        if self.best_of is not None and self.best_of < self.n:
-            raise ValueError(f"best_of ({self.best_of}) must be >= n ({self.n})")
-        if self.stream and self.best_of is not None and self.best_of > self.n:
-            raise ValueError("best_of > n cannot be streamed (the best ones are known only at the end)")
+        check_choices(self.n, self.best_of, self.stream)   # (the bounds are the fields' too: a 422 naming them)
         return self
 
     @property
