@@ -60,7 +60,7 @@ class RowFlags(NamedTuple):
     top_logprobs: int
 
 
-# a row's scalars: SamplerState.floats columns, then .ints columns
+# a row's scalars, one per line of SamplerState.floats, then of .ints (so a step's gather of them is contiguous)
 _TEMPERATURE, _TOP_P, _MIN_P, _PENALTIES = 0, 1, 2, slice(3, 6)   # presence, frequency, repetition
 _TOP_K, _SEED, _MIN_TOKENS = 0, 1, 2
 
@@ -73,8 +73,8 @@ class SamplerState:
         self.vocab_size = vocab_size
         # per sampled row of a step (not per slot): bit v of row b set = token v allowed; -1 = no constraint
         self.token_bitmask = torch.full((num_slots, (vocab_size + 31) // 32), -1, dtype=torch.int32, device=device)
-        self.floats = torch.zeros(num_slots, 6, dtype=torch.float32, device=device)
-        self.ints = torch.zeros(num_slots, 3, dtype=torch.int64, device=device)
+        self.floats = torch.zeros(6, num_slots, dtype=torch.float32, device=device)
+        self.ints = torch.zeros(3, num_slots, dtype=torch.int64, device=device)
         self.flags: list[RowFlags | None] = [None] * num_slots
         self.output_counts = torch.zeros(num_slots, vocab_size, dtype=torch.int32, device=device)
         self.prompt_mask = torch.zeros(num_slots, vocab_size, dtype=torch.bool, device=device)
@@ -93,11 +93,11 @@ class SamplerState:
         for history in (self.output_counts, self.prompt_mask, self.stop_mask, self.bias_ids, self.bias_values):
             history.index_fill_(0, slots, 0)
         ks = [_top_k(init.params.top_k, self.vocab_size) for init in inits]
-        self.floats.index_copy_(0, slots, to_device(
+        self.floats.index_copy_(1, slots, to_device(
             [[p.temperature, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty, p.repetition_penalty]
-             for p in (init.params for init in inits)], device, torch.float32))
-        self.ints.index_copy_(0, slots, as_ids([[k, init.seed & _MASK32, init.params.min_tokens]
-                                                for k, init in zip(ks, inits)]))
+             for p in (init.params for init in inits)], device, torch.float32).T)
+        self.ints.index_copy_(1, slots, as_ids([[k, init.seed & _MASK32, init.params.min_tokens]
+                                                for k, init in zip(ks, inits)]).T)
         for k, init in zip(ks, inits):
             p, slot = init.params, init.slot
             self.flags[slot] = RowFlags(p.temperature == 0, k < self.vocab_size or p.top_p < 1.0, p.min_p > 0,
@@ -118,16 +118,16 @@ class SamplerState:
         slots and steps), the rest gathered on the device."""
         device = self.floats.device
         index, step = to_device(slots, device, torch.int64), to_device(steps, device, torch.int64)
-        floats, ints = self.floats.index_select(0, index), self.ints.index_select(0, index)
+        floats, ints = self.floats.index_select(1, index), self.ints.index_select(1, index)
         flags = [self.flags[slot] for slot in slots]
         holds = any(n < f.min_tokens for n, f in zip(steps, flags))
         return SamplingTensors(
-            temperatures=floats[:, _TEMPERATURE], top_ks=ints[:, _TOP_K], top_ps=floats[:, _TOP_P],
-            seeds=ints[:, _SEED], steps=step, needs_sorting=any(f.sorts for f in flags),
+            temperatures=floats[_TEMPERATURE], top_ks=ints[_TOP_K], top_ps=floats[_TOP_P],
+            seeds=ints[_SEED], steps=step, needs_sorting=any(f.sorts for f in flags),
             all_greedy=all(f.greedy for f in flags),
-            min_ps=floats[:, _MIN_P] if any(f.min_p for f in flags) else None, slots=index,
-            penalties=floats[:, _PENALTIES] if any(f.penalized for f in flags) else None,
-            hold_stops=step < ints[:, _MIN_TOKENS] if holds else None, use_bias=any(f.biased for f in flags),
+            min_ps=floats[_MIN_P] if any(f.min_p for f in flags) else None, slots=index,
+            penalties=floats[_PENALTIES].T if any(f.penalized for f in flags) else None,
+            hold_stops=step < ints[_MIN_TOKENS] if holds else None, use_bias=any(f.biased for f in flags),
             num_top_logprobs=max(f.top_logprobs for f in flags), use_grammar=use_grammar)
 
     def load_bitmask(self, num_rows: int, rows: list[int], bitmask: torch.Tensor) -> None:
