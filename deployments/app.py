@@ -45,8 +45,8 @@ def resolve(config: LLMConfig) -> LLMConfig:
     else:
         update["model"] = _absolute(config.model)
         update["adapters"] = {name: _absolute(src) for name, src in config.adapters.items()}
-    if config.device == "auto":
-        update["device"] = detect_device()
+    if config.engine.device == "auto":
+        update["engine_kwargs"] = {**config.engine_kwargs, "device": detect_device()}
     return config.model_copy(update=update)
 
 

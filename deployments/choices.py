@@ -12,6 +12,19 @@ from typing import AsyncIterator
 
 from workers.config import SamplingParams
 
+MAX_CHOICES = 16   # n, best_of: each choice is a sequence of its own
+
+
+def check_choices(n: int, best_of: int | None = None, stream: bool = False) -> None:
+    """The rules of n and best_of, for request bodies and handle calls alike."""
+    for name, value in (("n", n), ("best_of", best_of)):
+        if value is not None and (type(value) is not int or not 1 <= value <= MAX_CHOICES):
+            raise ValueError(f"{name} must be an integer in [1, {MAX_CHOICES}], got {value!r}")
+    if best_of is not None and best_of < n:
+        raise ValueError(f"best_of ({best_of}) must be >= n ({n})")
+    if stream and best_of is not None and best_of > n:
+        raise ValueError("best_of > n cannot be streamed (the best ones are known only at the end)")
+
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
     if index == 0 or params.seed is None:

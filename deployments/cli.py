@@ -96,20 +96,18 @@ def config_from_args(args: argparse.Namespace) -> LLMConfig:
         if not sep or not name or not source:
             raise SystemExit(f"--lora expects NAME=SOURCE, got {item!r}")
         adapters[name] = source
-    return LLMConfig(model=args.model or DEMO_MODEL, adapters=adapters, tensor_parallel_size=args.tp,
-                     device=args.device, dtype=args.dtype, num_replicas=args.replicas, max_lora_rank=args.max_lora_rank,
-                     max_loras_per_batch=args.max_loras_per_batch, max_loaded_loras=args.max_loaded_loras,
-                     max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-                     enable_chunked_prefill=args.enable_chunked_prefill,
-                     enable_prefix_caching=args.enable_prefix_caching, api_key=args.api_key,
-                     enable_hotload=args.enable_hotload, adapter_roots=args.adapter_root,
-                     placement_timeout_s=args.placement_timeout or None,
-                     max_num_seqs=args.max_num_seqs, engine_kwargs=_engine_kwargs(args))
+    return LLMConfig(model=args.model or DEMO_MODEL, adapters=adapters, num_replicas=args.replicas,
+                     api_key=args.api_key, enable_hotload=args.enable_hotload,
+                     placement_timeout_s=args.placement_timeout or None, engine_kwargs=_engine_kwargs(args))
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
-    """EngineConfig fields the CLI sets that LLMConfig does not name (passed through as engine_kwargs)."""
-    kwargs = {}
+    """The EngineConfig fields the CLI sets (LLMConfig passes them through as engine_kwargs)."""
+    kwargs = dict(tensor_parallel_size=args.tp, device=args.device, dtype=args.dtype, max_lora_rank=args.max_lora_rank,
+                  max_loras_per_batch=args.max_loras_per_batch, max_loaded_loras=args.max_loaded_loras,
+                  max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+                  enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
+                  adapter_roots=args.adapter_root, max_num_seqs=args.max_num_seqs)
     if args.cpu_threads:
         kwargs["cpu_threads"] = args.cpu_threads
     if args.lora_target_modules:

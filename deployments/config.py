@@ -1,17 +1,21 @@
 """The user's serving config (validated at the Serve edge) and what it turns into: EngineConfig, Serve options.
 
 `LLMConfig` is what `serve_config.yaml`'s `args`, the CLI and `build_app` take.
-It is resolved once, in `build_app`, into absolute paths and a concrete device;
-after that nothing writes to it.
+The engine's settings pass through `engine_kwargs` (as in Ray Serve LLM), checked
+and typed by EngineConfig itself (workers/config.py): nothing here re-declares
+them. An EngineConfig field written beside `engine_kwargs` (this config's
+earlier spelling, `tensor_parallel_size: 8`) is moved into it. The config is
+resolved once, in `build_app`, into absolute paths and a concrete device; after
+that nothing writes to it.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, TypeAdapter, field_validator, model_validator
 
 from lora.adapter import check_adapter_name
 from lora.peft_format import CONFIG_NAME, SAFETENSORS_NAME
@@ -20,7 +24,8 @@ from workers.config import EngineConfig
 from workers.device import PLATFORMS, check_device_resource
 
 DEMO_MODEL = "demo"                 # the embedded default: a tiny deterministic model built locally
-ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
+ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}   # `model` is LLMConfig's own
+_ENGINE = TypeAdapter(EngineConfig)   # EngineConfig's types and checks, with pydantic's errors naming the field
 API_KEY_ENV = "LORASERVE_API_KEY"   # read when the config is built, if api_key is not given
 
 
@@ -31,27 +36,13 @@ class LLMConfig(BaseModel):
     model: str = DEMO_MODEL                        # local HF directory, Hub id, or "demo"
     served_model_name: str | None = None           # the `model` clients name; default from `model`
     adapters: dict[str, str] = Field(default_factory=dict)   # name -> local dir or Hub id, loaded at start
-    # engine
-    device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
-    tensor_parallel_size: int = Field(1, ge=1)
-    # The Ray resource each TP rank (or a TP=1 replica) reserves one of; default the device's (CPU / GPU /
-    # NPU). With device: cpu it places CPU-computing workers on nodes that advertise it, e.g. "NPU".
-    device_resource: str | None = Field(None, min_length=1)
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    max_num_seqs: int = Field(64, ge=1)
-    max_loras_per_batch: int = Field(4, ge=1)
-    max_loaded_loras: int = Field(16, ge=1)
-    max_lora_rank: int = Field(64, ge=1)
-    max_num_batched_tokens: int | None = Field(None, ge=1)   # tokens per step; default per device
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    adapter_roots: list[str] = Field(default_factory=list)   # local adapter dirs hot-load may read; empty = any
+    # EngineConfig fields (device, tensor_parallel_size, max_model_len, max_num_seqs, the LoRA limits,
+    # adapter_roots: local adapter dirs hot-load may read, ...); their defaults are EngineConfig's
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict)
     # the HTTP edge (README "Security")
     api_key: SecretStr | None = None               # Bearer key for /v1/* and /metrics; default $LORASERVE_API_KEY
     enable_hotload: bool = False                   # /v1/load_lora_adapter and /v1/unload_lora_adapter
     max_request_bytes: int = Field(4 << 20, ge=1024)   # larger request bodies get 413
-    engine_kwargs: dict[str, Any] = Field(default_factory=dict)   # any other EngineConfig field
     # Serve
     num_replicas: int | None = Field(None, ge=1)   # fixed count; leave unset with autoscaling_config
     autoscaling_config: dict[str, Any] | None = None
@@ -72,18 +63,17 @@ class LLMConfig(BaseModel):
             return {**data, "api_key": os.environ[API_KEY_ENV]}
         return data
 
-    @field_validator("adapters")
+    @model_validator(mode="before")
     @classmethod
-    def _adapter_names(cls, adapters: dict[str, str]) -> dict[str, str]:
-        for name in adapters:
-            check_adapter_name(name)
-        return adapters
-
-    @field_validator("adapter_roots")
-    @classmethod
-    def _absolute_roots(cls, roots: list[str]) -> list[str]:
-        # replicas do not share the caller's working directory
-        return [str(Path(root).expanduser().absolute()) for root in roots]
+    def _engine_fields_into_engine_kwargs(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not ENGINE_FIELDS & set(data):
+            return data
+        kwargs = dict(data.get("engine_kwargs") or {})
+        for name in ENGINE_FIELDS & set(data):
+            if name in kwargs and kwargs[name] != data[name]:
+                raise ValueError(f"{name} is given twice, at the top level and in engine_kwargs; keep one")
+            kwargs[name] = data[name]
+        return {**{k: v for k, v in data.items() if k not in ENGINE_FIELDS}, "engine_kwargs": kwargs}
 
     @field_validator("api_key")
     @classmethod
@@ -97,19 +87,24 @@ class LLMConfig(BaseModel):
     def _engine_kwargs(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
         unknown = set(kwargs) - ENGINE_FIELDS
         if unknown:
-            raise ValueError(f"engine_kwargs {sorted(unknown)} are not EngineConfig fields")
-        return kwargs
+            raise ValueError(f"engine_kwargs {sorted(unknown)} are not EngineConfig fields"
+                             + (" (model is a field of this config itself)" if "model" in unknown else ""))
+        if kwargs.get("adapter_roots"):   # replicas do not share the caller's working directory
+            roots = [str(Path(root).expanduser().absolute()) for root in kwargs["adapter_roots"]]
+            kwargs = {**kwargs, "adapter_roots": roots}
+        typed = _ENGINE.validate_python({**kwargs, "model": "-"})   # the model is checked in engine_config()
+        return {name: getattr(typed, name) for name in kwargs}      # as EngineConfig holds them (tuples, ints)
 
     def model_post_init(self, _context) -> None:
         if self.num_replicas is not None and self.autoscaling_config is not None:
             raise ValueError("set num_replicas or autoscaling_config, not both")
-        check_device_resource(self.device, self.device_resource)
-        EngineConfig(**self._engine_args())   # fail here, at the edge, on a bad engine setting
-        if self.base_model_name in self.adapters:
-            raise ValueError(f"adapter name {self.base_model_name!r} is the served base model's name; choose another")
+        engine = self.engine_config()   # fail here, at the edge, on a bad engine setting
+        check_device_resource(engine.device, engine.device_resource)
+        for name in self.adapters:
+            check_adapter_name(name, self.base_model_name)
 
     def startup_warnings(self) -> list[str]:
-        if self.enable_hotload and not self.adapter_roots:
+        if self.enable_hotload and not self.engine.adapter_roots:
             return ["hot-load is enabled without adapter_roots: whoever reaches the API can load any directory "
                     "this server can read; set --adapter-root DIR (adapter_roots) to restrict it"]
         return []
@@ -122,19 +117,13 @@ class LLMConfig(BaseModel):
             return "loraserve-demo"
         return self.model.rstrip("/").split("/")[-1] if self.model.startswith(("/", ".", "~")) else self.model
 
-    def _engine_args(self) -> dict[str, Any]:
-        args = dict(model=self.model, device=self.device, device_resource=self.device_resource,
-                    tensor_parallel_size=self.tensor_parallel_size,
-                    dtype=self.dtype, max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
-                    max_loras_per_batch=self.max_loras_per_batch, max_loaded_loras=self.max_loaded_loras,
-                    max_lora_rank=self.max_lora_rank, adapter_roots=tuple(self.adapter_roots),
-                    max_num_batched_tokens=self.max_num_batched_tokens,
-                    enable_chunked_prefill=self.enable_chunked_prefill,
-                    enable_prefix_caching=self.enable_prefix_caching)
-        return {**args, **self.engine_kwargs}
-
     def engine_config(self) -> EngineConfig:
-        return EngineConfig(**self._engine_args())
+        return EngineConfig(model=self.model, **self.engine_kwargs)
+
+    @property
+    def engine(self) -> EngineConfig:
+        """The engine's settings (EngineConfig's defaults for what engine_kwargs leaves out)."""
+        return self.engine_config()
 
     def replica_engine_config(self) -> EngineConfig:
         """The engine of a replica: `adapter_roots` restrict what callers hot-load, never the configured
@@ -162,18 +151,20 @@ class LLMConfig(BaseModel):
     # ---- Serve options -------------------------------------------------------------------------
     def in_process(self) -> bool:
         """TP=1 runs the model inside the replica process (no worker actor), so the replica holds the device."""
-        executor = self.engine_kwargs.get("distributed_executor", "auto")
-        return self.tensor_parallel_size == 1 and executor in ("auto", "inproc")
+        engine = self.engine
+        return engine.tensor_parallel_size == 1 and engine.distributed_executor in ("auto", "inproc")
 
     def placement_group_bundles(self) -> list[dict[str, float]]:
         """Bundle 0 is the replica; then one device bundle per TP rank (the worker group takes the last ones)."""
-        resource = self.device_resource or (PLATFORMS[self.device].ray_resource if self.device != "auto" else "CPU")
+        engine = self.engine
+        own = PLATFORMS[engine.device].ray_resource if engine.device != "auto" else "CPU"
+        resource = engine.device_resource or own
         replica = {"CPU": self.replica_cpus}
         if self.in_process():
             if resource != "CPU":
                 replica[resource] = 1.0
             return [replica]
-        return [replica] + [{resource: 1.0} for _ in range(self.tensor_parallel_size)]
+        return [replica] + [{resource: 1.0} for _ in range(engine.tensor_parallel_size)]
 
     def ray_actor_options(self) -> dict[str, Any]:
         """The replica's own resources: exactly bundle 0."""
@@ -201,4 +192,4 @@ class LLMConfig(BaseModel):
 
     @property
     def models_per_replica(self) -> int:
-        return self.max_num_models_per_replica or self.max_loaded_loras
+        return self.max_num_models_per_replica or self.engine.max_loaded_loras

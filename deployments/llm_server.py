@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator
 from ray import serve
 
 from deployments.adapter_mirror import AdapterMirror
-from deployments.choices import best, child_params, child_request_id, merge
+from deployments.choices import best, check_choices, child_params, child_request_id, merge
 from deployments.adapter_registry import RegistryClient
 from deployments.config import LLMConfig
 from deployments.errors import quiet_caller_errors
@@ -30,6 +30,7 @@ from lora.sources import is_hub_id
 from workers.async_engine import AsyncLLMEngine
 from workers.config import SamplingParams
 from workers.engine import LLMEngine
+from workers.limits import check_prompt, check_token_ids, room_to_generate
 from workers.output import TokenNames
 from workers.sequence import RequestOutput
 
@@ -88,6 +89,7 @@ class LLMServer:
         """`n` finished choices (`index` 0..n-1); with best_of, that many are sampled and the n with the highest
         cumulative logprob returned. `echo`: each carries the prompt's text (`prompt_text`); `names`: the text
         and bytes of every token it names (`token_names`, for logprobs); `tools`: rendered by the chat template."""
+        check_choices(n, best_of)
         adapter, prompt_ids, params = await self._start(prompt, sampling_params, messages, tools)
         count = best_of or n
         try:
@@ -114,6 +116,7 @@ class LLMServer:
         Text is held back while it may still change: a trailing partial UTF-8
         character, or a possible start of a stop string.
         """
+        check_choices(n, stream=True)
         adapter, prompt_ids, params = await self._start(prompt, sampling_params, messages, tools)
         streams = [self._deltas(adapter, prompt_ids, child_params(params, i), child_request_id(request_id, i, n),
                                 i, prompt if echo else None, names) for i in range(n)]
@@ -188,18 +191,14 @@ class LLMServer:
             if prompt is not None:
                 raise ValueError("give a prompt or chat messages, not both")
             prompt = await self.engine.render_chat(messages, tools=tools)
-        if prompt is None or (isinstance(prompt, (str, list)) and not prompt):
-            raise ValueError("prompt is empty")
+        check_prompt(prompt)
         if isinstance(prompt, str):
             prompt = await self.engine.encoder.encode(prompt)
         if isinstance(sampling_params, SamplingParams):
             return prompt, sampling_params
         kwargs = dict(sampling_params or {})
         if kwargs.get("max_tokens") is None and messages is not None:   # chat default: the rest of the context
-            kwargs["max_tokens"] = self.engine.max_model_len - len(prompt)
-            if kwargs["max_tokens"] < 1:
-                raise ValueError(f"the prompt ({len(prompt)} tokens) fills max_model_len "
-                                 f"({self.engine.max_model_len}); no room to generate")
+            kwargs["max_tokens"] = room_to_generate(len(prompt), self.engine.max_model_len)
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
         return prompt, SamplingParams(**kwargs)
 
@@ -225,10 +224,7 @@ class LLMServer:
         return out
 
     async def detokenize(self, tokens: list[int]) -> str:
-        vocab = self.engine.engine.runtime.hf_config.vocab_size
-        bad = [t for t in tokens if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"tokens {bad[:5]} are outside the vocabulary [0, {vocab})")
+        check_token_ids(tokens, self.engine.engine.runtime.hf_config.vocab_size, "tokens")
         return self.engine.decode_tokenizer.decode(tokens)
 
     # ---- adapters -----------------------------------------------------------------------------------
@@ -265,7 +261,8 @@ class LLMServer:
             raise AdapterError(f"adapter {name!r}: lora_path {str(source)[:200]!r} must be an absolute directory or a "
                                "Hub id (org/name[@revision]); relative paths are refused")
         self._check_not_configured(name, "replaced")
-        await asyncio.to_thread(check_hotload_source, name, source, self.config.adapter_roots, self._hotload_hub)
+        await asyncio.to_thread(check_hotload_source, name, source, self.config.engine.adapter_roots,
+                                self._hotload_hub)
         try:
             current = await self.adapters.source_of(name)
         except AdapterNotFoundError:

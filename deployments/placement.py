@@ -149,7 +149,8 @@ def _pending_message(group: dict, timeout_s: float) -> str:
 
 
 def _asked(config: LLMConfig, demand: dict[str, float]) -> str:
-    ranks = "" if config.in_process() else f" plus one per tensor-parallel rank (tp={config.tensor_parallel_size})"
+    tp = config.engine.tensor_parallel_size
+    ranks = "" if config.in_process() else f" plus one per tensor-parallel rank (tp={tp})"
     return (f"an {DEPLOYMENT} replica asks for {_fmt(demand)} on one node (placement group "
             f"{config.placement_group_bundles()}, STRICT_PACK: the replica's bundle{ranks})")
 

@@ -1,22 +1,26 @@
-"""The OpenAI wire format: request bodies (validated) and response / stream-chunk bodies.
+"""The OpenAI wire format of requests: bodies validated here (responses are built in deployments/responses.py).
 
-Strict and honest: a field is either implemented, harmless (`HARMLESS`: accepted and
-ignored, it changes nothing in the answer), or accepted only at the value that means
-"off" (`UNSUPPORTED_UNLESS`), so a request is never silently served differently from
-what it asked for (`suffix: "x"` is a 400, not a completion without it). Any other field is a 400 naming it.
+Strict and honest (deployments/strict.py): a field is either implemented, harmless (`HARMLESS`: accepted
+and ignored, it changes nothing in the answer), or accepted only at the value that means "off"
+(`UNSUPPORTED_UNLESS`), so a request is never silently served differently from what it asked for
+(`suffix: "x"` is a 400, not a completion without it). Any other field is a 400 naming it.
 Types are strict: `"4"` is not 4 and `true` is not a token id.
 """
 from __future__ import annotations
 
-import json
-from typing import Any, ClassVar, Literal
+import dataclasses
+from typing import Any, Literal, get_type_hints
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, create_model, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from deployments.structured import (MessageToolCall, NamedToolChoice, ResponseFormat, StructuredOutputs, Tool,
                                     constraint)
+from deployments.choices import MAX_CHOICES, check_choices
+from deployments.strict import StrictModel, shown
 from deployments.tool_calls import END as TOOL_CALL_END
+from workers.config import MAX_LOGPROBS, SamplingParams
+from workers.limits import check_prompt
 
 # accepted and ignored: they label or route a request on OpenAI's side and change nothing in the answer
 HARMLESS = frozenset({"user", "metadata", "safety_identifier", "prompt_cache_key", "service_tier",
@@ -39,57 +43,7 @@ UNSUPPORTED_UNLESS = {
     "guided_grammar": (None,), "priority": (None, 0), "request_id": (None,),
 }
 MAX_PROMPTS = 256                          # prompts of one /v1/completions request (each is a handle call)
-MAX_CHOICES = 16                           # n, best_of: each choice is a sequence of its own
-MAX_LOGPROBS = 20                          # alternatives per token (OpenAI's top_logprobs bound)
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)   # what torch.Generator.manual_seed takes
-
-
-def _is_off(value: Any, offs: tuple) -> bool:
-    """Type-exact: `true` is not 1 and `1.5` is not "off"; 0 and 0.0 are the same number."""
-    def same(off: Any) -> bool:
-        if off is None or isinstance(off, bool) or isinstance(value, bool):
-            return value is off           # None, true and false are singletons
-        if isinstance(off, (int, float)):
-            return isinstance(value, (int, float)) and value == off
-        return type(value) is type(off) and value == off
-    return any(same(off) for off in offs)
-
-
-def _shown(value: Any) -> str:
-    """A caller's value as JSON, cut short (it is echoed in an error message)."""
-    try:
-        text = json.dumps(value)
-    except (TypeError, ValueError):
-        text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-class StrictModel(BaseModel):
-    """extra="forbid" + strict types; `harmless` fields are dropped, `unsupported` ones pass only when "off"."""
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)   # JSON NaN is no sampling value
-    harmless: ClassVar[frozenset[str]] = frozenset()
-    unsupported: ClassVar[dict[str, tuple]] = {}
-
-    @model_validator(mode="before")
-    @classmethod
-    def _only_what_is_served(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        kept = {}
-        for field, value in data.items():
-            if field in cls.harmless:
-                continue
-            if field in cls.unsupported and field not in cls.model_fields:
-                offs = cls.unsupported[field]
-                if not _is_off(value, offs):
-                    raise PydanticCustomError("unsupported_parameter",
-                                              "{field}={value} is not supported by this server (only {offs})",
-                                              {"field": field, "value": _shown(value),
-                                               "offs": " or ".join(_shown(o) for o in offs if o is not None)
-                                               or "null"})
-                continue
-            kept[field] = value
-        return kept
 
 
 class StreamOptions(StrictModel):
@@ -97,28 +51,31 @@ class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class OpenAIRequest(StrictModel):
+# SamplingParams fields the wire spells otherwise (or not at all); every other one is a request field of the same
+# name, type and default, declared once, in workers/config.py (its ranges are checked there: a ValueError, a 400)
+ENGINE_SPELLED = frozenset({"max_tokens", "logit_bias", "logprobs", "top_logprobs", "prompt_logprobs", "structured"})
+SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.name not in ENGINE_SPELLED)
+
+
+def _wire_field(f: dataclasses.Field) -> tuple[Any, Any]:
+    default = Field(default_factory=f.default_factory) if f.default is dataclasses.MISSING else f.default
+    return get_type_hints(SamplingParams)[f.name], default
+
+
+SamplingFields = create_model("SamplingFields", __base__=StrictModel, **{
+    f.name: _wire_field(f) for f in dataclasses.fields(SamplingParams) if f.name in SAMPLING_FIELDS})
+
+
+class OpenAIRequest(SamplingFields):
     harmless = HARMLESS
     unsupported = UNSUPPORTED_UNLESS
     model: str
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1                      # vLLM extension
     seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] = Field(default_factory=list)   # vLLM extension
-    ignore_eos: bool = False             # vLLM extension
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=MAX_CHOICES)  # choices; they share the prompt's KV blocks (prefix cache)
     return_tokens_as_token_ids: bool = False   # vLLM extension: logprobs name tokens "token_id:<id>"
-    # logits processors (ranges checked by workers.SamplingParams: a ValueError, so a 400)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0      # vLLM extension
-    min_p: float = 0.0                   # vLLM extension
-    min_tokens: int = 0                  # vLLM extension
     logit_bias: dict[str, float] | None = None   # OpenAI's: token id (as a JSON key) -> bias
     response_format: ResponseFormat | None = None              # deployments/structured.py
     structured_outputs: StructuredOutputs | None = None        # vLLM extension
@@ -128,12 +85,8 @@ class OpenAIRequest(StrictModel):
 
     def sampling_params(self, default_max_tokens: int | None) -> dict[str, Any]:
         """Keyword arguments of workers.SamplingParams; max_tokens None = the rest of the context."""
-        return dict(structured=self.constraint(),
+        return dict({name: getattr(self, name) for name in SAMPLING_FIELDS}, structured=self.constraint(),
                     max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
-                    temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
-                    stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-                    presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                    repetition_penalty=self.repetition_penalty, min_p=self.min_p, min_tokens=self.min_tokens,
                     logit_bias=self._token_bias(), top_logprobs=self.num_top_logprobs)
 
     @property
@@ -145,7 +98,7 @@ class OpenAIRequest(StrictModel):
             return None
         bad = next((key for key in self.logit_bias if not key.isdigit()), None)
         if bad is not None:
-            raise ValueError(f"logit_bias keys must be token ids (digits), got {_shown(bad)}")
+            raise ValueError(f"logit_bias keys must be token ids (digits), got {shown(bad)}")
         return {int(key): value for key, value in self.logit_bias.items()}
 
     @property
@@ -161,10 +114,7 @@ class CompletionRequest(OpenAIRequest):
 
     @model_validator(mode="after")
     def _choices(self):
-        if self.best_of is not None and self.best_of < self.n:
-            raise ValueError(f"best_of ({self.best_of}) must be >= n ({self.n})")
-        if self.stream and self.best_of is not None and self.best_of > self.n:
-            raise ValueError("best_of > n cannot be streamed (the best ones are known only at the end)")
+        check_choices(self.n, self.best_of, self.stream)   # (the bounds are the fields' too: a 422 naming them)
         return self
 
     @property
@@ -185,8 +135,7 @@ class CompletionRequest(OpenAIRequest):
         prompt = self.prompt
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             return [prompt]
-        if not prompt:
-            raise ValueError("prompt is empty")
+        check_prompt(prompt)
         if len(prompt) > MAX_PROMPTS:
             raise ValueError(f"prompt holds {len(prompt)} prompts; at most {MAX_PROMPTS} per request")
         return list(prompt)
@@ -225,7 +174,7 @@ class ChatMessage(StrictModel):
         if isinstance(self.content, list):
             parts = [p for p in self.content if p.type != "text"]
             if parts:
-                raise ValueError(f"message content parts of type {_shown(parts[0].type)} are not supported")
+                raise ValueError(f"message content parts of type {shown(parts[0].type)} are not supported")
             return "".join(p.text for p in self.content)
         return self.content or ""
 

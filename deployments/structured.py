@@ -13,14 +13,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from deployments import strict
 from workers.grammar import StructuredSpec
 
 NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"        # OpenAI's rule for schema and function names
 NO_PARAMETERS = {"type": "object", "properties": {}}   # OpenAI: no `parameters` is an empty parameter list
 
 
-class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, populate_by_name=True)
+class StrictModel(strict.StrictModel):
+    model_config = ConfigDict(populate_by_name=True)   # `schema` is spelled `schema_` here (BaseModel has one)
 
 
 class JSONSchemaFormat(StrictModel):

@@ -10,7 +10,8 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTens
 from factories import PROMPTS
 from lora_reference import OpLog
 from workers import EngineConfig, LLMEngine, SamplingParams, cpu_attention
-from workers.sampler import SamplerState, SamplingTensors, sample
+from sampler_rows import step_rows
+from workers.sampler import SamplerState, sample
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 # every sampler option at once: the processors, min-p, top-k / top-p, top logprobs
@@ -36,10 +37,9 @@ def test_decode_step_runs_under_fake_tensor_mode(model_dir):
         assert "loraserve::bgmv_add" in log.names, "the graph-safe LoRA did not run through the kernel's op"
         assert logits.shape == (b, engine.runtime.hf_config.vocab_size)
         state = SamplerState(b, logits.shape[-1], 8, "cpu")
-        tensors = SamplingTensors.from_lists([0.7] * b, [5] * b, [0.9] * b, list(range(b)), [3] * b,
-                                             logits.shape[-1], "cpu", min_ps=[0.1] * b, slots=list(range(b)),
-                                             penalties=[(0.5, 0.3, 1.2)] * b, hold_stops=[True] * b, use_bias=True,
-                                             num_top_logprobs=3)
+        tensors, _ = step_rows(SamplingParams(**EVERYTHING), list(range(b)), logits.shape[-1], steps=[3] * b,
+                               state=state)   # min_tokens 4 > step 3: the stop tokens are held back
+        assert tensors.hold_stops is not None and tensors.penalties is not None and tensors.use_bias
         result = sample(logits, tensors, state)
         assert result.tokens.shape == (b,) and result.logprobs.shape == (b,) and result.top_ids.shape == (b, 3)
 

@@ -24,7 +24,8 @@ CANN_ENV = {"ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH", "ASCEND_OPP_PATH", "ASCEN
             "PATH", "PYTHONPATH"}
 # What an Ascend cluster sets differently from the shipped serve_config.yaml (its comment names them).
 # the Ascend settings, and placement_timeout_s: null (an autoscaling cluster waits for its NPU pods)
-ASCEND_SETTINGS = {"model", "device", "tensor_parallel_size", "max_model_len", "placement_timeout_s"}
+ASCEND_SETTINGS = {"model": True, "placement_timeout_s": True,
+                   "engine_kwargs": {"device", "tensor_parallel_size", "max_model_len"}}
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +60,7 @@ def test_serve_config_v2_is_serve_config_yamls_application(serve_configs):
     assert k8s_app["args"]["placement_timeout_s"] is None
     local_config, k8s_config = LLMConfig.model_validate(local_app["args"]), k8s_llm_config(serve_configs)
     assert k8s_config.model_dump(exclude=ASCEND_SETTINGS) == local_config.model_dump(exclude=ASCEND_SETTINGS)
-    assert k8s_config.device == "npu"        # not auto: at deploy time no NPU pod may be up yet
+    assert k8s_config.engine.device == "npu"        # not auto: at deploy time no NPU pod may be up yet
     options = k8s_config.deployment_options()
     assert options["autoscaling_config"] == local_config.deployment_options()["autoscaling_config"]
     assert options["placement_group_strategy"] == "STRICT_PACK"
@@ -74,11 +75,12 @@ def test_npu_counts_agree_with_the_tensor_parallel_size(manifest, serve_configs)
     assert int(devices) == npus
     # a replica's group (STRICT_PACK) fits in one pod, so its TP ranks never span pods
     bundles = config.placement_group_bundles()
-    assert bundles == [{"CPU": config.replica_cpus}] + [{"NPU": 1.0}] * config.tensor_parallel_size
-    assert npus % config.tensor_parallel_size == 0
-    assert config.replica_cpus * npus // config.tensor_parallel_size <= int(container["resources"]["limits"]["cpu"])
+    assert bundles == [{"CPU": config.replica_cpus}] + [{"NPU": 1.0}] * config.engine.tensor_parallel_size
+    assert npus % config.engine.tensor_parallel_size == 0
+    tp = config.engine.tensor_parallel_size
+    assert config.replica_cpus * npus // tp <= int(container["resources"]["limits"]["cpu"])
     # the worker group can hold every replica Serve autoscaling may ask for, and none without one
-    replicas_per_pod = npus // config.tensor_parallel_size
+    replicas_per_pod = npus // config.engine.tensor_parallel_size
     assert group["minReplicas"] == 0 <= group["replicas"] <= group["maxReplicas"]
     assert group["maxReplicas"] * replicas_per_pod >= config.autoscaling_config["max_replicas"]
 

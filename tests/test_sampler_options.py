@@ -6,7 +6,8 @@ import torch
 
 from factories import PROMPTS
 from workers import EngineConfig, LLMEngine, SamplingParams
-from workers.sampler import SamplingTensors, sample
+from sampler_rows import step_rows
+from workers.sampler import sample
 
 STEPS = 12
 
@@ -123,8 +124,7 @@ def test_min_p_keeps_only_tokens_near_the_likeliest():
     logits = torch.tensor([2.0, 1.9, 0.0, -1.0, -3.0, -5.0])
     n = 4000
     probs = torch.softmax(logits, -1)
-    tensors = SamplingTensors.from_lists([1.0] * n, [-1] * n, [1.0] * n, list(range(n)), [0] * n, 6, "cpu",
-                                         min_ps=[0.5] * n, slots=list(range(n)))
+    tensors, _ = step_rows(SamplingParams(min_p=0.5), list(range(n)), 6)
     tokens = sample(logits.expand(n, -1), tensors).tokens
     allowed = set((probs >= 0.5 * probs.max()).nonzero().flatten().tolist())
     assert set(tokens.tolist()) == allowed == {0, 1}

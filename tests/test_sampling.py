@@ -5,7 +5,8 @@ import torch
 
 from factories import PROMPTS
 from workers import EngineConfig, LLMEngine, SamplingParams
-from workers.sampler import SamplingTensors, sample
+from sampler_rows import step_rows
+from workers.sampler import sample
 
 
 def test_seeded_request_is_batch_independent(model_dir):
@@ -22,8 +23,8 @@ def test_seeded_request_is_batch_independent(model_dir):
 
 
 def _tensors(n, temperature=1.0, top_k=-1, top_p=1.0, vocab=6, seed0=0):
-    return SamplingTensors.from_lists([temperature] * n, [top_k] * n, [top_p] * n,
-                                      list(range(seed0, seed0 + n)), [0] * n, vocab, "cpu")
+    return step_rows(SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
+                     list(range(seed0, seed0 + n)), vocab)[0]
 
 
 def test_sampling_follows_the_distribution():

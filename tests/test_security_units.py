@@ -120,13 +120,13 @@ def test_an_oversized_config_is_not_read(adapter, spec, tmp_path):
 def test_config_security_fields(monkeypatch, tmp_path):
     monkeypatch.delenv("LORASERVE_API_KEY", raising=False)
     plain = LLMConfig(model="/m")
-    assert (plain.api_key, plain.enable_hotload, plain.adapter_roots, plain.max_request_bytes) == (
-        None, False, [], 4 << 20)
+    assert (plain.api_key, plain.enable_hotload, plain.engine.adapter_roots, plain.max_request_bytes) == (
+        None, False, (), 4 << 20)
     assert plain.startup_warnings() == []
     assert "without adapter_roots" in LLMConfig(model="/m", enable_hotload=True).startup_warnings()[0]
     assert LLMConfig(model="/m", enable_hotload=True, adapter_roots=["/srv/a"]).startup_warnings() == []
     monkeypatch.chdir(tmp_path)
-    assert LLMConfig(model="/m", adapter_roots=["rel"]).adapter_roots == [str(tmp_path / "rel")]
+    assert LLMConfig(model="/m", adapter_roots=["rel"]).engine.adapter_roots == (str(tmp_path / "rel"),)
 
     monkeypatch.setenv("LORASERVE_API_KEY", "from-env")
     assert LLMConfig(model="/m").api_key.get_secret_value() == "from-env"
@@ -144,10 +144,10 @@ def test_cli_security_flags(capsys, monkeypatch):
     monkeypatch.delenv("LORASERVE_API_KEY", raising=False)
     config = config_from_args(parse_args(["serve", "--api-key", "k1", "--enable-hotload", "--adapter-root", "/srv/a",
                                           "--adapter-root", "/srv/b"]))
-    assert (config.api_key.get_secret_value(), config.enable_hotload, config.adapter_roots) == (
-        "k1", True, ["/srv/a", "/srv/b"])
+    assert (config.api_key.get_secret_value(), config.enable_hotload, config.engine.adapter_roots) == (
+        "k1", True, ("/srv/a", "/srv/b"))
     default = config_from_args(parse_args(["serve", "--demo"]))
-    assert (default.api_key, default.enable_hotload, default.adapter_roots) == (None, False, [])
+    assert (default.api_key, default.enable_hotload, default.engine.adapter_roots) == (None, False, ())
     with pytest.raises(SystemExit):
         parse_args(["serve", "--help"])
     help_text = capsys.readouterr().out
@@ -265,17 +265,17 @@ def test_adapter_roots_bound_hot_loads_not_the_configured_adapters(tmp_path):
     assert config.engine_config().adapter_roots == (str(root),)            # what callers are bound by
     assert LLMConfig(model="/m", adapters={"op": str(configured)}).replica_engine_config().adapter_roots == ()
 
-    check_hotload_source("mine", str(root / "ok"), config.adapter_roots, allow_hub=False)
+    check_hotload_source("mine", str(root / "ok"), config.engine.adapter_roots, allow_hub=False)
     refusals = [str(configured), str(root / "ok" / ".." / ".." / "configured"), str(root / "missing"), "/etc"]
     messages = set()
     for source in refusals:
         with pytest.raises(AdapterPathError) as info:
-            check_hotload_source("mine", source, config.adapter_roots, allow_hub=False)
+            check_hotload_source("mine", source, config.engine.adapter_roots, allow_hub=False)
         messages.add(str(info.value).replace(repr(source), "SRC"))
     assert messages == {"adapter 'mine': SRC is not an adapter directory inside the allowed adapter roots"}
     with pytest.raises(AdapterPathError, match="Hub ids are not allowed"):
-        check_hotload_source("mine", "org/lora", config.adapter_roots, allow_hub=False)
-    check_hotload_source("mine", "org/lora", config.adapter_roots, allow_hub=True)
+        check_hotload_source("mine", "org/lora", config.engine.adapter_roots, allow_hub=False)
+    check_hotload_source("mine", "org/lora", config.engine.adapter_roots, allow_hub=True)
     check_hotload_source("mine", "/anywhere", [], allow_hub=True)          # no roots: the engine checks the path
 
 

@@ -119,7 +119,8 @@ def test_cli_arguments_become_the_config():
     args = parse_args(["serve", "--model", "/m", "--lora", "a=/adapters/a", "--lora", "b=org/b", "--tp", "8",
                        "--device", "npu", "--port", "8123", "--max-lora-rank", "32"])
     config = config_from_args(args)
-    assert (config.model, config.adapters, config.tensor_parallel_size, config.device, config.max_lora_rank) == (
+    engine = config.engine
+    assert (config.model, config.adapters, engine.tensor_parallel_size, engine.device, engine.max_lora_rank) == (
         "/m", {"a": "/adapters/a", "b": "org/b"}, 8, "npu", 32)
     assert (args.host, args.port) == ("127.0.0.1", 8123)
     assert config_from_args(parse_args(["serve", "--demo"])).model == "demo"

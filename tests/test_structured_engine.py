@@ -140,12 +140,13 @@ def test_matchers_follow_their_tokens_whatever_the_schedule(path, engine, varian
 def test_a_masked_token_never_wins_the_race_even_at_noise_one():
     """Seed 47, step 0, id 862622 draws u = (2**24 - 0.5) / 2**24, which is 1.0 in fp32: a zero Exp(1) draw. The
     masked token's 0 / 0 must not beat the allowed one (it did: NaN wins argmax)."""
-    from workers.sampler import SamplerState, SamplingTensors, sample
+    from sampler_rows import step_rows
+    from workers.sampler import SamplerState, sample
     vocab, allowed = 862624, 5
     state = SamplerState(1, vocab, 1, "cpu")
     state.load_bitmask(1, [0], torch.zeros(1, (vocab + 31) // 32, dtype=torch.int32))
     state.token_bitmask[0, 0] = 1 << allowed
-    tensors = SamplingTensors.from_lists([1.0], [-1], [1.0], [47], [0], vocab, "cpu", use_grammar=True)
+    tensors, _ = step_rows(SamplingParams(), [47], vocab, state=state, use_grammar=True)
     assert sample(torch.zeros(1, vocab), tensors, state).tokens.tolist() == [allowed]
 
 

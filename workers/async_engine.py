@@ -26,6 +26,7 @@ from typing import Any, AsyncIterator, Callable
 from lora.errors import AdapterLoadTimeoutError
 from workers.config import EngineConfig, SamplingParams
 from workers.engine import LLMEngine, Prompt
+from workers.limits import check_prompt
 from workers.output import RequestState
 from workers.sequence import RequestOutput, TokenDelta
 from workers.stream import RequestStream
@@ -80,9 +81,8 @@ class AsyncLLMEngine:
         finished. Leaving early aborts it."""
         params = params or SamplingParams()
         request_id = request_id or f"async-{next(self._ids)}"
+        check_prompt(prompt)
         if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
             prompt = await self.encoder.encode(prompt)
         grammar = None   # compiled on the grammar thread (cached by spec); an invalid one raises here, unqueued
         if params.structured is not None:

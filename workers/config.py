@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from lora.modules import SUPPORTED_MODULES as SUPPORTED_LORA_MODULES
 from lora.backends import BACKENDS as LORA_BACKENDS
+from workers.device import PLATFORMS
 from workers.grammar import StructuredSpec
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 GREEDY_BELOW = 1e-5      # temperatures under this sample greedily (vLLM's rule): 1/T would overflow to NaN
@@ -77,6 +78,8 @@ class EngineConfig:
 
         need(isinstance(self.model, str) and self.model != "", "model must be a non-empty path or Hub id")
         need(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        need(self.device in ("auto", *PLATFORMS), f"device must be auto or one of {', '.join(PLATFORMS)}, "
+                                                  f"got {self.device!r}")
         need(self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1")
         need(self.distributed_executor in ("auto", "inproc", "ray"),
              "distributed_executor must be auto, inproc or ray")

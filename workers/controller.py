@@ -14,32 +14,27 @@ LoRA slot more than `lora_max_wait_steps` times makes admission strictly
 first-come first-served and stops it at that request, so running adapters
 drain and it gets in (no starvation). When decode runs out of KV blocks the
 youngest sequence is preempted; it is recomputed later from its prompt and
-the tokens it already has (its blocks stay cached, so mostly hits).
+the tokens it already has (its blocks stay cached, so mostly hits). A step's
+choice is a `Batch`; workers/plan.py turns it into the StepPlan.
 """
 from __future__ import annotations
 
 from collections import Counter, deque
 from typing import Iterator
 
-import torch
-
 from lora.errors import AdapterError
 from workers.adapters import AdapterManager
 from workers.block_pool import BlockPool, extend_hashes, hash_root
 from workers.config import EngineConfig
-from workers.grammar import bitmask_width
 from workers.kv_cache import blocks_needed
-from workers.plan import StepOutput, StepPlan
+from workers.plan import Batch, StepOutput
 from workers.sequence import Sequence, Status
 
 
 class Controller:
     def __init__(self, config: EngineConfig, num_kv_blocks: int, max_model_len: int,
-                 max_num_batched_tokens: int, adapters: AdapterManager | None, eos_token_ids: frozenset = frozenset(),
-                 vocab_size: int = 0):
+                 max_num_batched_tokens: int, adapters: AdapterManager | None, eos_token_ids: frozenset = frozenset()):
         self.config = config
-        # host rows the grammar matchers fill each step (one per sampled sequence at most), allocated once
-        self._bitmask = torch.full((config.max_num_seqs, bitmask_width(vocab_size)), -1, dtype=torch.int32)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.free_sampler_slots = list(range(config.max_num_seqs - 1, -1, -1))   # one per running sequence
         self.block_size = config.kv_block_size
@@ -62,8 +57,8 @@ class Controller:
         return bool(self.waiting or self.running)
 
     # ---- scheduling ------------------------------------------------------
-    def schedule(self) -> tuple[StepPlan, list[tuple[Sequence, int]]] | None:
-        """The step's plan and its (sequence, new tokens) in plan order; None when nothing can run."""
+    def schedule(self) -> Batch | None:
+        """The step's sequences (with their new tokens, in plan order) and LoRA slots; None when nothing can run."""
         self.step_count += 1
         self._new_sampler_slots: list[Sequence] = []
         budget = self.max_num_batched_tokens
@@ -81,7 +76,7 @@ class Controller:
         admitted = self._admit(budget)
         self.running.extend(seq for seq, _ in admitted)
         scheduled = decodes + chunks + admitted
-        return self._plan(scheduled) if scheduled else None
+        return self._batch(scheduled) if scheduled else None
 
     def _reserve_decode_blocks(self) -> None:
         """Room for the next token of every decoding sequence, preempting the youngest if blocks run out."""
@@ -230,7 +225,7 @@ class Controller:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def _plan(self, scheduled: list[tuple[Sequence, int]]) -> tuple[StepPlan, list[tuple[Sequence, int]]]:
+    def _batch(self, scheduled: list[tuple[Sequence, int]]) -> Batch:
         loads, expert_slots = [], {}
         if self.adapters is not None:
             names = {s.adapter_key for s in self.running if s.adapter}   # slots of chunks in progress stay too
@@ -238,48 +233,7 @@ class Controller:
         slot_of = self.adapters.slot_of if self.adapters is not None else (lambda _: -1)
         # Decodes first, then chunks; within each, by slot: one LoRA segment per adapter.
         scheduled.sort(key=lambda item: (item[1] > 1 or item[0].num_uncomputed > 1, slot_of(item[0].adapter_key)))
-        plan = StepPlan(input_ids=[], positions=[], query_lens=[], seq_lens=[], block_tables=[], lora_slots=[],
-                        lora_loads=loads, lora_expert_slots=expert_slots,
-                        sampler_inits=[self._sampler_init(s) for s in self._new_sampler_slots])
-        for seq, n in scheduled:
-            start, p = seq.num_computed_tokens, seq.params
-            plan.input_ids += seq.token_ids[start:start + n]
-            plan.positions += range(start, start + n)
-            plan.query_lens.append(n)
-            plan.seq_lens.append(start + n)
-            plan.block_tables.append(list(seq.block_table))
-            plan.lora_slots.append(slot_of(seq.adapter_key))
-            targets = None
-            if p.prompt_logprobs is not None:   # each new prompt position scores the prompt token after it
-                targets = seq.prompt_token_ids[start + 1:min(start + n + 1, seq.num_prompt_tokens)]
-                plan.num_prompt_logprobs = max(plan.num_prompt_logprobs, p.prompt_logprobs)
-            plan.prompt_logprob_targets.append(targets)
-            samples = start + n == len(seq)
-            plan.samples.append(samples)
-            if samples:
-                plan.temperatures.append(p.temperature)
-                plan.top_ks.append(p.top_k)
-                plan.top_ps.append(p.top_p)
-                plan.seeds.append(seq.seed)
-                plan.steps.append(seq.num_output_tokens)
-                plan.sampler_slots.append(seq.sampler_slot)
-                plan.min_ps.append(p.min_p)
-                plan.penalties.append((p.presence_penalty, p.frequency_penalty, p.repetition_penalty))
-                plan.hold_stops.append(seq.num_output_tokens < p.min_tokens)
-                plan.top_logprobs.append(p.top_logprobs)
-                plan.use_bias = plan.use_bias or bool(p.logit_bias)
-                if seq.matcher is not None:
-                    seq.matcher.fill_bitmask(self._bitmask, len(plan.grammar_rows))
-                    plan.grammar_rows.append(len(plan.temperatures) - 1)
-        if plan.grammar_rows:   # a copy: the rows are refilled next step, the plan may still be in flight
-            plan.token_bitmask = self._bitmask[:len(plan.grammar_rows)].clone()
-        return plan, scheduled
-
-    def _sampler_init(self, seq: Sequence) -> tuple[int, list[int], list[int], list[int], dict]:
-        p = seq.params
-        return (seq.sampler_slot, list(seq.prompt_token_ids) if p.repetition_penalty != 1.0 else [],
-                seq.output_token_ids, sorted(seq.stop_token_ids | self.eos_token_ids) if p.min_tokens else [],
-                dict(p.logit_bias or {}))
+        return Batch(scheduled, slot_of, loads, expert_slots, self._new_sampler_slots)
 
     # ---- after a step ----------------------------------------------------
     def complete(self, scheduled: list[tuple[Sequence, int]], out: StepOutput) -> list[Sequence]:

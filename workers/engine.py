@@ -23,10 +23,12 @@ from workers.grammar import GrammarCompiler, GrammarMatcher
 from workers.kv_cache import KVCache, blocks_needed
 from workers.models.loader import resolve_model_path
 from workers.output import RequestState
+from workers.plan import PlanBuilder
 from workers.quant.description import read_quantization
 from workers.runner import TORCH_DTYPES, RuntimeInfo
 from workers.sequence import RequestOutput, Sequence, TokenDelta
-from workers.tokenizer import check_prompt_chars, encode, max_prompt_chars
+from workers.limits import check_fits, check_prompt, check_prompt_chars, check_token_ids
+from workers.tokenizer import encode, max_prompt_chars
 from workers.worker import Worker
 
 Prompt = str | list[int]
@@ -56,7 +58,8 @@ class LLMEngine:
         self.executor = self._make_executor()
         eos_ids = _eos_ids(hf_config, self.tokenizer)
         self.controller = Controller(config, self.runtime.num_kv_blocks, self.runtime.max_model_len,
-                                     self.max_num_batched_tokens, self.adapters, eos_ids, hf_config.vocab_size)
+                                     self.max_num_batched_tokens, self.adapters, eos_ids)
+        self.planner = PlanBuilder(config.max_num_seqs, hf_config.vocab_size)
         self.grammars = GrammarCompiler(path, hf_config.vocab_size, eos_ids)   # compiles on a thread of its own
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
@@ -128,27 +131,17 @@ class LLMEngine:
     # ---- requests ----------------------------------------------------------
     def _make_sequence(self, prompt: Prompt, params: SamplingParams, adapter: str | None,
                        request_id: str | None, grammar=None) -> Sequence:
+        check_prompt(prompt)
+        vocab, max_len = self.runtime.hf_config.vocab_size, self.runtime.max_model_len
         if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            check_prompt_chars(len(prompt), self.max_prompt_chars, self.runtime.max_model_len)
+            check_prompt_chars(len(prompt), self.max_prompt_chars, max_len)
             token_ids = encode(self.tokenizer, prompt)
         else:
             token_ids = list(prompt)
-            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.runtime.hf_config.vocab_size]
-            if bad:
-                raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary "
-                                 f"[0, {self.runtime.hf_config.vocab_size})")
-        if not token_ids:
-            raise ValueError("prompt is empty")
-        vocab = self.runtime.hf_config.vocab_size
-        bad = [t for t in (params.logit_bias or {}) if t >= vocab]
-        if bad:
-            raise ValueError(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        limit = self.runtime.max_model_len
-        if len(token_ids) + params.max_tokens > limit:
-            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                             f"max_model_len ({limit})")
+            check_token_ids(token_ids, vocab, "prompt token ids")
+        check_prompt(token_ids)   # also a text of nothing but what the tokenizer drops
+        check_token_ids(params.logit_bias or {}, vocab, "logit_bias token ids")
+        check_fits(len(token_ids), params.max_tokens, max_len)
         if adapter is not None:
             if self.adapters is None:
                 raise ValueError(f"adapter {adapter!r} requested but LoRA is disabled (enable_lora=False)")
@@ -192,9 +185,9 @@ class LLMEngine:
         """Run one step; the new tokens (or the end) of every request that progressed or ended."""
         touched = self.controller.errored
         self.controller.errored = []
-        scheduled = self.controller.schedule()
-        if scheduled is not None:
-            plan, items = scheduled
+        batch = self.controller.schedule()
+        if batch is not None:
+            plan, items = self.planner.build(batch, self.controller.eos_token_ids), batch.items
             decodes = sum(1 for n, s in zip(plan.query_lens, plan.samples) if n == 1 and s)
             self.last_step = (decodes, len(plan.input_ids) - decodes)
             try:

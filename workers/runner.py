@@ -36,7 +36,7 @@ from workers.plan import StepOutput, StepPlan
 from workers.quant.description import W8A8Spec
 from workers.quant.kernels import w8a8_kernel
 from workers.quant.w8a8_linear import check_described, finish_loading, quantize_layer
-from workers.sampler import SamplerState, SamplingTensors, sample
+from workers.sampler import SamplerState, sample
 
 log = logging.getLogger(__name__)
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -189,21 +189,16 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
         failed = self._load_slots(plan)
-        for init in plan.sampler_inits:
-            self.sampler_state.init_slot(*init)
+        self.sampler_state.admit(plan.sampler_inits)
         logits = self._decode(plan) if plan.is_decode else self._mixed(plan)
-        num_sampled = len(plan.temperatures)
+        num_sampled = plan.num_sampled
         out = StepOutput([], [], failed_adapters=failed)
         if plan.wants_prompt_logprobs:
             out.prompt_logprobs = prompt_logprobs(logits[num_sampled:], plan)
         if num_sampled:   # else: only chunks of longer prompts, nothing to sample
             if plan.grammar_rows:
                 self.sampler_state.load_bitmask(num_sampled, plan.grammar_rows, plan.token_bitmask)
-            tensors = SamplingTensors.from_lists(
-                plan.temperatures, plan.top_ks, plan.top_ps, plan.seeds, plan.steps, self.vocab_size, self.device,
-                min_ps=plan.min_ps, slots=plan.sampler_slots, penalties=plan.penalties, hold_stops=plan.hold_stops,
-                use_bias=plan.use_bias, num_top_logprobs=max(plan.top_logprobs, default=0),
-                use_grammar=bool(plan.grammar_rows))
+            tensors = self.sampler_state.tensors(plan.sampler_slots, plan.steps, bool(plan.grammar_rows))
             result = sample(logits[:num_sampled], tensors, self.sampler_state)
             out.tokens, out.logprobs = result.tokens.tolist(), result.logprobs.tolist()
             if result.top_ids is not None:

@@ -3,10 +3,11 @@
 Randomness is a counter-based hash of (request seed, token index, vocab id),
 so a request's samples never depend on what else is in the batch or on a
 global generator, and the whole sampler is fixed-shape tensor code with no host
-sync (it can run inside a captured graph). Per-sequence history (the
-penalties' token counts, the logit bias, the tokens min_tokens holds back)
-lives in fixed device buffers indexed by the sequence's sampler slot
-(SamplerState), so no step builds vocab-sized tensors from host data.
+sync (it can run inside a captured graph). A sequence's sampling parameters
+and history (the penalties' token counts, the logit bias, the tokens
+min_tokens holds back) live in fixed device rows indexed by its sampler slot
+(SamplerState), written once when it takes the slot: a step sends only the
+slots and token indices, and no step builds tensors from SamplingParams.
 
 Order, as vLLM's: min_tokens and logit_bias on the raw logits, then the
 repetition / frequency / presence penalties, then the grammar's token bitmask
@@ -18,16 +19,20 @@ distribution, before any of these (vLLM's default `raw_logprobs`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from lora.transfer import to_device
+from workers.plan import SamplerInit
 
 _MASK32 = 0xFFFFFFFF
 
 
 @dataclass
 class SamplingTensors:
+    """One step's view of the sampled rows (SamplerState.tensors): device columns gathered from the rows
+    written at admission, and host flags that let the sampler skip what no row uses."""
     temperatures: torch.Tensor   # [B] fp32, 0 = greedy
     top_ks: torch.Tensor         # [B] int64, vocab size = off
     top_ps: torch.Tensor         # [B] fp32
@@ -43,61 +48,87 @@ class SamplingTensors:
     num_top_logprobs: int = 0                   # host: the most alternatives any row asked for
     use_grammar: bool = False                   # host: rows [0, B) of state.token_bitmask hold this step's masks
 
-    @classmethod
-    def from_lists(cls, temperatures, top_ks, top_ps, seeds, steps, vocab_size: int, device, *, min_ps=(),
-                   slots=(), penalties=(), hold_stops=(), use_bias: bool = False,
-                   num_top_logprobs: int = 0, use_grammar: bool = False) -> SamplingTensors:
-        ks = [vocab_size if k <= 0 else min(k, vocab_size) for k in top_ks]
-        f32 = dict(device=device, dtype=torch.float32)
-        i64 = dict(device=device, dtype=torch.int64)
-        penalized = any(p != (0.0, 0.0, 1.0) for p in penalties)
-        return cls(
-            temperatures=to_device(temperatures, **f32),
-            top_ks=to_device(ks, **i64),
-            top_ps=to_device(top_ps, **f32),
-            seeds=to_device([s & _MASK32 for s in seeds], **i64),
-            steps=to_device(steps, **i64),
-            needs_sorting=any(k < vocab_size for k in ks) or any(p < 1.0 for p in top_ps),
-            all_greedy=all(t == 0 for t in temperatures),
-            min_ps=to_device(min_ps, **f32) if any(min_ps) else None,
-            slots=to_device(slots, **i64) if slots else None,
-            penalties=to_device(penalties, **f32) if penalized else None,
-            hold_stops=to_device(hold_stops, device, torch.bool) if any(hold_stops) else None,
-            use_bias=use_bias, num_top_logprobs=num_top_logprobs, use_grammar=use_grammar)
+
+class RowFlags(NamedTuple):
+    """Host copy of what a row's parameters switch on, so a step decides which ops run without a device read."""
+    greedy: bool
+    sorts: bool          # top-k or top-p
+    min_p: bool
+    penalized: bool
+    biased: bool
+    min_tokens: int
+    top_logprobs: int
+
+
+# a row's scalars, one per line of SamplerState.floats, then of .ints (so a step's gather of them is contiguous)
+_TEMPERATURE, _TOP_P, _MIN_P, _PENALTIES = 0, 1, 2, slice(3, 6)   # presence, frequency, repetition
+_TOP_K, _SEED, _MIN_TOKENS = 0, 1, 2
 
 
 class SamplerState:
-    """Per-sequence history in fixed buffers, one row per sampler slot (the controller assigns slots)."""
+    """One row per sampler slot (the controller assigns slots): a sequence's sampling parameters, written once
+    when it takes the slot, and its history (token counts, prompt / stop masks, logit bias) in fixed buffers."""
 
     def __init__(self, num_slots: int, vocab_size: int, max_bias_entries: int, device):
+        self.vocab_size = vocab_size
         # per sampled row of a step (not per slot): bit v of row b set = token v allowed; -1 = no constraint
         self.token_bitmask = torch.full((num_slots, (vocab_size + 31) // 32), -1, dtype=torch.int32, device=device)
+        self.floats = torch.zeros(6, num_slots, dtype=torch.float32, device=device)
+        self.ints = torch.zeros(3, num_slots, dtype=torch.int64, device=device)
+        self.flags: list[RowFlags | None] = [None] * num_slots
         self.output_counts = torch.zeros(num_slots, vocab_size, dtype=torch.int32, device=device)
         self.prompt_mask = torch.zeros(num_slots, vocab_size, dtype=torch.bool, device=device)
         self.stop_mask = torch.zeros(num_slots, vocab_size, dtype=torch.bool, device=device)
         self.bias_ids = torch.zeros(num_slots, max_bias_entries, dtype=torch.int64, device=device)
         self.bias_values = torch.zeros(num_slots, max_bias_entries, dtype=torch.float32, device=device)
 
-    def init_slot(self, slot: int, prompt_ids: list[int], output_ids: list[int], stop_ids: list[int],
-                  logit_bias: dict[int, float]) -> None:
-        """A sequence takes `slot` (admitted, or admitted again after preemption). Every admitted sequence
-        does, so no row holds what an earlier occupant left; the ids a request does not need are empty."""
+    def admit(self, inits: list[SamplerInit]) -> None:
+        """Sequences take their slots: every row is rewritten whole (no row keeps what an earlier occupant
+        left), the scalars of all of them in one copy per buffer."""
+        if not inits:
+            return
         device = self.output_counts.device
         as_ids = lambda xs: to_device(xs, device, torch.int64)  # noqa: E731
-        self.output_counts[slot].zero_()
-        if output_ids:
-            self.output_counts[slot].index_add_(0, as_ids(output_ids), torch.ones(len(output_ids), dtype=torch.int32,
-                                                                                  device=device))
-        for mask, ids in ((self.prompt_mask, prompt_ids), (self.stop_mask, stop_ids)):
-            mask[slot].zero_()
-            if ids:
-                mask[slot, as_ids(ids)] = True
-        self.bias_ids[slot].zero_()
-        self.bias_values[slot].zero_()
-        if logit_bias:
-            n = len(logit_bias)
-            self.bias_ids[slot, :n] = as_ids(list(logit_bias))
-            self.bias_values[slot, :n] = to_device(list(logit_bias.values()), device, torch.float32)
+        slots = as_ids([init.slot for init in inits])
+        for history in (self.output_counts, self.prompt_mask, self.stop_mask, self.bias_ids, self.bias_values):
+            history.index_fill_(0, slots, 0)
+        ks = [_top_k(init.params.top_k, self.vocab_size) for init in inits]
+        self.floats.index_copy_(1, slots, to_device(
+            [[p.temperature, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty, p.repetition_penalty]
+             for p in (init.params for init in inits)], device, torch.float32).T)
+        self.ints.index_copy_(1, slots, as_ids([[k, init.seed & _MASK32, init.params.min_tokens]
+                                                for k, init in zip(ks, inits)]).T)
+        for k, init in zip(ks, inits):
+            p, slot = init.params, init.slot
+            self.flags[slot] = RowFlags(p.temperature == 0, k < self.vocab_size or p.top_p < 1.0, p.min_p > 0,
+                                        p.uses_penalties, bool(p.logit_bias), p.min_tokens, p.top_logprobs)
+            if init.output_ids:
+                self.output_counts[slot].index_add_(0, as_ids(init.output_ids),
+                                                    torch.ones(len(init.output_ids), dtype=torch.int32, device=device))
+            for mask, ids in ((self.prompt_mask, init.prompt_ids), (self.stop_mask, init.stop_ids)):
+                if ids:
+                    mask[slot, as_ids(ids)] = True
+            if p.logit_bias:
+                n = len(p.logit_bias)
+                self.bias_ids[slot, :n] = as_ids(list(p.logit_bias))
+                self.bias_values[slot, :n] = to_device(list(p.logit_bias.values()), device, torch.float32)
+
+    def tensors(self, slots: list[int], steps: list[int], use_grammar: bool = False) -> SamplingTensors:
+        """The step's sampled rows: `slots[i]` draws its token number `steps[i]`. Two small host copies (the
+        slots and steps), the rest gathered on the device."""
+        device = self.floats.device
+        index, step = to_device(slots, device, torch.int64), to_device(steps, device, torch.int64)
+        floats, ints = self.floats.index_select(1, index), self.ints.index_select(1, index)
+        flags = [self.flags[slot] for slot in slots]
+        holds = any(n < f.min_tokens for n, f in zip(steps, flags))
+        return SamplingTensors(
+            temperatures=floats[_TEMPERATURE], top_ks=ints[_TOP_K], top_ps=floats[_TOP_P],
+            seeds=ints[_SEED], steps=step, needs_sorting=any(f.sorts for f in flags),
+            all_greedy=all(f.greedy for f in flags),
+            min_ps=floats[_MIN_P] if any(f.min_p for f in flags) else None, slots=index,
+            penalties=floats[_PENALTIES].T if any(f.penalized for f in flags) else None,
+            hold_stops=step < ints[_MIN_TOKENS] if holds else None, use_bias=any(f.biased for f in flags),
+            num_top_logprobs=max(f.top_logprobs for f in flags), use_grammar=use_grammar)
 
     def load_bitmask(self, num_rows: int, rows: list[int], bitmask: torch.Tensor) -> None:
         """This step's masks: `bitmask[i]` for sampled row `rows[i]`, every other row of [0, num_rows) free."""
@@ -109,6 +140,10 @@ class SamplerState:
     def record(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """Count the sampled tokens (fixed shape: one index_put per step)."""
         self.output_counts.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
+
+
+def _top_k(k: int, vocab_size: int) -> int:
+    return vocab_size if k <= 0 else min(k, vocab_size)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,8 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
+from workers.limits import check_prompt_chars
+
 # Normalizers may compose characters (NFC / NFKC: a base letter and its combining marks become one),
 # so a text can shrink before it is split into tokens; 4x covers composition with room to spare.
 NORMALIZATION_SLACK = 4
@@ -29,12 +31,6 @@ def max_prompt_chars(tokenizer, max_model_len: int) -> int:
     the vocabulary decodes to more characters than its own string has."""
     longest = max((len(token) for token in tokenizer.get_vocab()), default=1)
     return max_model_len * max(longest, 1) * NORMALIZATION_SLACK
-
-
-def check_prompt_chars(num_chars: int, limit: int, max_model_len: int) -> None:
-    if num_chars > limit:
-        raise ValueError(f"the prompt ({num_chars} characters) is far longer than max_model_len "
-                         f"({max_model_len} tokens) allows")
 
 
 def encode(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -15,7 +15,7 @@ from lora.transfer import allow_pinning
 from workers.config import EngineConfig
 from workers.device import Platform
 from workers.parallel import TPGroup
-from workers.plan import StepPlan
+from workers.plan import StepOutput, StepPlan
 from workers.runner import ModelRunner, RuntimeInfo
 
 
@@ -28,7 +28,7 @@ class Worker:
             torch.set_num_threads(config.cpu_threads or cpu_threads_per_rank(config.tensor_parallel_size))
         self.runner = ModelRunner(config, runtime, platform, tp, platform.torch_device(device_index), get_adapter)
 
-    def execute(self, plan: StepPlan) -> tuple[list[int], list[float]]:
+    def execute(self, plan: StepPlan) -> StepOutput:
         return self.runner.execute(plan)
 
     def is_alive(self) -> bool:
