@@ -122,7 +122,8 @@ class LLMServer:
         adapter, prompt_ids, params = await self._start(prompt, sampling_params, messages, tools)
         streams = [self._deltas(adapter, prompt_ids, child_params(params, i), child_request_id(request_id, i, n),
                                 i, prompt if echo else None, names) for i in range(n)]
-        async with aclosing(merge(streams)) as items:
+        # one choice needs no merging (a task and a queue hop per token)
+        async with aclosing(streams[0] if n == 1 else merge(streams)) as items:
             async for item in items:
                 yield item
 

@@ -36,7 +36,7 @@ def events(text: str) -> list:
 def test_chat_stream_role_chunk_deltas_finish_usage_done():
     spec = RenderSpec(chat=True, model="m:a", include_usage=True)
     renderer = StreamRenderer(spec)
-    out = renderer.feed(item([5], "He")) + renderer.feed(item([6], "")) + renderer.feed(item([7], "llo!", finish="length"))
+    out = "".join(renderer.feed(i) for i in (item([5], "He"), item([6], ""), item([7], "llo!", finish="length")))
     got = events(out + renderer.finish())
     assert [e["choices"][0]["delta"] for e in got[:3]] == [{"role": "assistant", "content": ""}, {"content": "He"},
                                                            {"content": "llo!"}]   # the held-back token: no event
