@@ -193,7 +193,7 @@ def serving(sizes: Sizes, dtype: str, log=print) -> dict:
                 time.sleep(2)
         requests = ours.make_requests(load, sizes.shape.vocab_size)
         naming = lambda adapter: "bench" if adapter is None else adapter_name(adapter)  # noqa: E731
-        asyncio.run(ours.drive(url, [ours.replace_arrival(r, 0.0) for r in requests[:2]], naming))
+        asyncio.run(ours.drive(url, ours.warm_requests(load, sizes), naming))
         results, wall = asyncio.run(ours.drive(url, requests, naming))
         vllm = ours.summarize(results, wall)
     finally:

@@ -119,10 +119,24 @@ def summarize(results: list[dict], wall: float) -> dict:
         return {"p50": percentile(values, 50), "p99": percentile(values, 99)} if values else {"p50": None, "p99": None}
 
     return {"ttft_ms": p50_p99(ttft), "tpot_ms": p50_p99(tpot), "output_tok_s": tokens / wall, "wall_s": wall,
+            "output_tokens": tokens,
             "failed": len(results) - len(ok), "errors": sorted({r["error"] for r in results if r["error"]})[:5]}
 
 
-def run(sizes: Sizes = FULL, load: ServingLoad = ServingLoad(), dtype: str = "bfloat16", log=print) -> dict:
+def bench_config(model_dir, paths, load: ServingLoad, sizes: Sizes, dtype: str) -> dict:
+    """LLMConfig arguments of the served model; the engine-alone mode builds its engine from the same."""
+    return dict(model=str(model_dir), served_model_name="bench", device="cpu", dtype=dtype, num_replicas=1,
+                adapters={f"lora-{i:04d}": str(p) for i, p in enumerate(paths)},
+                max_num_seqs=sizes.batch, max_loras_per_batch=sizes.max_loras_per_batch,
+                max_loaded_loras=sizes.max_loaded_loras, max_lora_rank=sizes.rank,
+                max_model_len=load.input_range[1] + load.output_range[1] + 16,
+                max_ongoing_requests=max(64, load.num_requests),
+                engine_kwargs={"lora_target_modules": ALL7, "kv_cache_memory_gb": 1.0})
+
+
+def run(sizes: Sizes = FULL, load: ServingLoad = ServingLoad(), dtype: str = "bfloat16", log=print,
+        rates: tuple[float, ...] | None = None) -> dict:
+    """One deployment; the load at each of `rates` (default: load.rate) after one warm-up."""
     from workers.ray_utils import free_port, init_local_ray
 
     model_dir = build_checkpoint(dtype, sizes.shape)
@@ -133,42 +147,71 @@ def run(sizes: Sizes = FULL, load: ServingLoad = ServingLoad(), dtype: str = "bf
     from ray import serve
 
     from deployments.app import build_app
-    from deployments.config import LLMConfig
 
+    runs = []
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        config = LLMConfig(
-            model=str(model_dir), served_model_name="bench", device="cpu", dtype=dtype, num_replicas=1,
-            adapters={f"lora-{i:04d}": str(p) for i, p in enumerate(paths)},
-            max_num_seqs=sizes.batch, max_loras_per_batch=sizes.max_loras_per_batch,
-            max_loaded_loras=sizes.max_loaded_loras, max_lora_rank=sizes.rank,
-            max_model_len=load.input_range[1] + load.output_range[1] + 16,
-            max_ongoing_requests=max(64, load.num_requests),
-            engine_kwargs={"lora_target_modules": ALL7, "kv_cache_memory_gb": 1.0})
         started = time.perf_counter()
-        serve.run(build_app(config), name="bench", route_prefix="/", blocking=False)
+        serve.run(build_app(bench_config(model_dir, paths, load, sizes, dtype)), name="bench", route_prefix="/",
+                  blocking=False)
         url = f"http://127.0.0.1:{port}"
-        log(f"[serving] deployed in {time.perf_counter() - started:.0f} s; {load.num_requests} requests at "
-            f"{load.rate}/s")
-        requests = make_requests(load, sizes.shape.vocab_size)
-        warm = [replace_arrival(r, 0.0) for r in requests[:2]]
+        log(f"[serving] deployed in {time.perf_counter() - started:.0f} s")
         naming = lambda adapter: model_name("bench", adapter)  # noqa: E731
-        asyncio.run(drive(url, warm, naming))                    # first-call costs stay out of the timings
-        results, wall = asyncio.run(drive(url, requests, naming))
+        asyncio.run(drive(url, warm_requests(load, sizes), naming))   # first-call costs stay out of the timings
+        for timed in loads_at(load, rates):
+            requests = make_requests(timed, sizes.shape.vocab_size)
+            cpu_before = serve_cpu_seconds()
+            results, wall = asyncio.run(drive(url, requests, naming))
+            cpu = {k: v - cpu_before.get(k, 0.0) for k, v in serve_cpu_seconds().items()}
+            runs.append(dict(rate=timed.rate, summary=summarize(results, wall), cpu_s=cpu))
     finally:
         try:
             serve.shutdown()
         finally:
             ray.shutdown()
             shutil.rmtree(temp_dir, ignore_errors=True)
-    summary = summarize(results, wall)
-    log(f"[serving] TTFT p50 {summary['ttft_ms']['p50']} ms, TPOT p50 {summary['tpot_ms']['p50']} ms, "
-        f"{summary['output_tok_s']:.1f} tok/s, {summary['failed']} failed")
-    return {"benchmark": "serving", "dtype": dtype, "sizes": sizes_dict(sizes), "machine": machine_info(),
+    for r in runs:
+        summary, tokens = r["summary"], r["summary"]["output_tokens"]
+        r["cpu_s_per_token"] = {k: v / tokens for k, v in r["cpu_s"].items()} if tokens else {}
+        log(f"[serving] {r['rate']}/s: TTFT p50 {summary['ttft_ms']['p50']} ms, TPOT p50 "
+            f"{summary['tpot_ms']['p50']} ms, {summary['output_tok_s']:.1f} tok/s, {summary['failed']} failed, "
+            f"ingress CPU {r['cpu_s'].get('ingress', 0):.2f} s")
+    data = {"benchmark": "serving", "dtype": dtype, "sizes": sizes_dict(sizes), "machine": machine_info(),
             "rate": load.rate, "cv": load.cv, "num_requests": load.num_requests, "num_adapters": load.num_adapters,
-            "alpha": load.alpha, "input_range": list(load.input_range), "output_range": list(load.output_range),
-            "summary": summary}
+            "alpha": load.alpha, "input_range": list(load.input_range), "output_range": list(load.output_range)}
+    return dict(data, summary=runs[0]["summary"], runs=runs) if len(runs) == 1 else dict(data, runs=runs)
+
+
+def loads_at(load: ServingLoad, rates: tuple[float, ...] | None) -> list[ServingLoad]:
+    """The timed loads of one process: each rate with its own seed, so no run finds the prompts of an
+    earlier one in the prefix cache (engine-alone and HTTP get the same list)."""
+    return [replace(load, rate=rate, seed=load.seed + i) for i, rate in enumerate(rates or (load.rate,))]
+
+
+def warm_requests(load: ServingLoad, sizes: Sizes) -> list[dict]:
+    """Two requests at once, from another seed than the timed ones (their prompts are not in the prefix cache)."""
+    return [replace_arrival(r, 0.0) for r in make_requests(replace(load, seed=load.seed + 1000),
+                                                           sizes.shape.vocab_size)[:2]]
+
+
+def serve_cpu_seconds() -> dict[str, float]:
+    """CPU seconds (user + system) so far of the Serve processes: ingress, LLM replica, HTTP proxy."""
+    from ray._private import state
+
+    ticks = os.sysconf("SC_CLK_TCK")
+    roles = {"OpenAIIngress": "ingress", "LLMServer": "llm_replica", "ProxyActor": "proxy"}
+    out: dict[str, float] = {}
+    for actor in state.actors().values():
+        role = next((r for key, r in roles.items() if key in actor["ActorClassName"]), None)
+        if role is None or actor["State"] != "ALIVE":
+            continue
+        try:
+            fields = open(f"/proc/{actor['Pid']}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[role] = out.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / ticks   # utime + stime
+    return out
 
 
 def replace_arrival(request: dict, arrival: float) -> dict:
@@ -179,15 +222,22 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     defaults = ServingLoad()
     parser.add_argument("--rate", type=float, default=defaults.rate)
+    parser.add_argument("--rates", default=None, help="several rates against one deployment, e.g. 2,8")
     parser.add_argument("--cv", type=float, default=defaults.cv)
     parser.add_argument("--requests", type=int, default=defaults.num_requests)
     parser.add_argument("--adapters", type=int, default=defaults.num_adapters)
     parser.add_argument("--alpha", type=float, default=defaults.alpha)
+    parser.add_argument("--out", default=None, help="write the result here (default results/serving_bfloat16.json)")
     args = parser.parse_args(argv)
     load = replace(defaults, rate=args.rate, cv=args.cv, num_requests=args.requests, num_adapters=args.adapters,
                    alpha=args.alpha)
-    data = run(FULL, load)
-    print(write_result("serving_bfloat16", data))
+    rates = tuple(float(r) for r in args.rates.split(",")) if args.rates else None
+    data = run(FULL, load, rates=rates)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(data, f, indent=1)
+    else:
+        print(write_result("serving_bfloat16", data))
     return data
 
 

@@ -50,6 +50,9 @@ class LLMConfig(BaseModel):
     max_num_models_per_replica: int | None = None  # adapters kept warm per replica; default max_loaded_loras
     replica_cpus: float = Field(1.0, gt=0)
     registry_sync_interval_s: float = Field(0.25, gt=0)   # how fast replicas see hot-load / unload
+    # A stream's events ready within this window go to the ingress as one item (deployments/stream_batch.py):
+    # several decode steps on an accelerator, less than one on a CPU; it adds at most this to a token's latency
+    stream_batch_interval_ms: float = Field(10.0, ge=0, le=1000)
     # A replica that cannot be placed fails the deployment instead of waiting: at once when no node could
     # ever hold it, after this many seconds when the cluster is busy (the CLI). None: wait, e.g. for a
     # cluster autoscaler to add a node (see deployments/placement.py).

@@ -1,6 +1,8 @@
 """LLMServer: the Serve deployment holding one AsyncLLMEngine per replica.
 
-Adapters are routed with Serve's multiplexing: a caller names the adapter as
+It also renders OpenAI responses (deployments/render.py) for the HTTP ingress: `render_choices` (a
+whole answer's choices) and `render_stream` (SSE events, batched per step window), so the ingress
+only relays bytes. Adapters are routed with Serve's multiplexing: a caller names the adapter as
 `multiplexed_model_id`, Serve prefers a replica that already holds it, and the
 replica loads it on first use (from the app's adapter registry). Handle
 methods: `generate`, `generate_stream`, `load_adapter`, `unload_adapter`,
@@ -24,6 +26,8 @@ from deployments.config import LLMConfig
 from deployments.errors import quiet_caller_errors
 from deployments.loopback import bind_replica_grpc_to_node_ip
 from deployments.metrics import ServerMetrics
+from deployments.render import RenderedChoices, RenderSpec, StreamRenderer, render_choices
+from deployments.stream_batch import batched
 from lora.adapter import check_adapter_name
 from lora.errors import AdapterError, AdapterNotFoundError, AdapterPathError
 from lora.sources import is_hub_id
@@ -58,6 +62,7 @@ class LLMServer:
         self.replica_id = context.replica_id.unique_id
         self.engine = AsyncLLMEngine(await asyncio.to_thread(_build_engine, config))   # minutes for a big model
         self._token_names = TokenNames(self.engine.decode_tokenizer)
+        self._batch_window_s = config.stream_batch_interval_ms / 1e3
         self.metrics = ServerMetrics()
         registry = RegistryClient(context.app_name, config.base_model_name, config.registry_sync_interval_s)
         await registry.call(lambda actor: actor.seed.remote(config.adapters), REGISTRY_START_TIMEOUT_S)
@@ -120,9 +125,40 @@ class LLMServer:
         adapter, prompt_ids, params = await self._start(prompt, sampling_params, messages, tools)
         streams = [self._deltas(adapter, prompt_ids, child_params(params, i), child_request_id(request_id, i, n),
                                 i, prompt if echo else None, names) for i in range(n)]
-        async with aclosing(merge(streams)) as items:
+        # one choice needs no merging (a task and a queue hop per token)
+        async with aclosing(streams[0] if n == 1 else merge(streams)) as items:
             async for item in items:
                 yield item
+
+    # ---- OpenAI responses, rendered here ------------------------------------------------------------
+    async def render_choices(self, prompt: Prompt | None, sampling_params: dict, spec: RenderSpec, *,
+                             messages: list[dict] | None = None, n: int = 1, best_of: int | None = None,
+                             tools: list[dict] | None = None) -> RenderedChoices:
+        """A whole answer's choices for one prompt, as JSON (render.join_body makes the body)."""
+        outs = await self.generate_choices(prompt, sampling_params, messages=messages, n=n, best_of=best_of,
+                                           echo=spec.echo, names=spec.logprobs, tools=tools)
+        return render_choices(outs, spec, self.replica_id)
+
+    async def render_stream(self, prompt: Prompt | None, sampling_params: dict, spec: RenderSpec, *,
+                            messages: list[dict] | None = None, n: int = 1,
+                            tools: list[dict] | None = None) -> AsyncIterator[str | tuple[str, str]]:
+        """A streamed answer's SSE events (usage chunk and [DONE] included), joined per step window. The
+        first item is (replica id, events): it comes once the request is accepted, so a refused one raises
+        before it; an error after it is raised after the events before it (the ingress reports it in-band)."""
+        renderer = StreamRenderer(spec)
+
+        async def events() -> AsyncIterator[str]:
+            async with aclosing(self.generate_stream(prompt, sampling_params, messages=messages, n=n,
+                                                     echo=spec.echo, names=spec.logprobs, tools=tools)) as items:
+                async for item in items:
+                    yield renderer.feed(item)
+            yield renderer.finish()
+
+        first = True
+        async with aclosing(batched(events(), self._batch_window_s)) as batches:
+            async for batch in batches:
+                yield (self.replica_id, batch) if first else batch
+                first = False
 
     async def _collect(self, adapter, prompt_ids: list[int], params: SamplingParams,
                        request_id: str | None) -> ServedOutput:

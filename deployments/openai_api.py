@@ -1,10 +1,13 @@
 """The OpenAI-compatible HTTP ingress (FastAPI inside a Serve deployment).
 
-One hop from a route to the engine: the route resolves `model` to an adapter
-and calls LLMServer with `multiplexed_model_id=<adapter>`. Every error becomes
-an OpenAI error body (errors.py). A stream's status is decided by its first
-item, so a bad request is a 4xx even with `stream: true`; an error after that
-arrives as an SSE error event. Response header `x-loraserve-replica` names the
+One hop from a route to the engine: the route parses and validates the body,
+resolves `model` to an adapter and calls LLMServer with
+`multiplexed_model_id=<adapter>` (through a cached handle); the replica renders
+the response (deployments/render.py: the body's choices, or the SSE events in
+batches per step window) and the route relays it. Every error becomes an OpenAI
+error body (errors.py). A stream's status is decided by its first item, so a
+bad request is a 4xx even with `stream: true`; an error after that arrives as
+an SSE error event. Response header `x-loraserve-replica` names the
 LLMServer replica that served the request; `x-request-id` (Serve's) names the
 request in the logs. Every /v1 route and /metrics check the API key first, then
 read their body through http_edge (size, UTF-8, strict schema).
@@ -12,7 +15,7 @@ read their body through http_edge (size, UTF-8, strict schema).
 # No `from __future__ import annotations`: Serve pickles these route functions by value with only the
 # globals their code uses, so FastAPI could not resolve a string annotation such as "Request".
 import asyncio
-import json
+import dataclasses
 import logging
 from typing import Any, AsyncIterator
 
@@ -29,13 +32,14 @@ from deployments.errors import APIError, ModelNotFoundError, error_response, qui
 from deployments.http_edge import Body, check_api_key, install_error_handlers, read_body, request_id
 from deployments.loopback import bind_replica_grpc_to_node_ip
 from deployments.metrics import render_prometheus
-from deployments.tool_calls import ToolCallParser, parse_tool_calls
+from deployments.render import DONE, RenderSpec, join_body
 from lora.adapter import ADAPTER_NAME, check_adapter_name
 from workers.async_engine import EngineDeadError
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
 HEALTH_TIMEOUT_S = 10.0
 REPLICA_HEADER = "x-loraserve-replica"
+MAX_CACHED_HANDLES = 1024
 logger = logging.getLogger("ray.serve")
 
 app = FastAPI(title="loraserve", docs_url=None, redoc_url=None, openapi_url=None)
@@ -48,6 +52,7 @@ class OpenAIIngress:
         bind_replica_grpc_to_node_ip()   # before Serve starts this replica's gRPC server (after __init__)
         quiet_caller_errors()
         self.server = server
+        self._handles: dict[tuple[str, bool], DeploymentHandle] = {}
         self.base_model = config.base_model_name
         self.api_key = config.api_key.get_secret_value().encode() if config.api_key else None
         self.enable_hotload, self.max_request_bytes = config.enable_hotload, config.max_request_bytes
@@ -68,10 +73,14 @@ class OpenAIIngress:
         return name
 
     def _handle(self, adapter: str | None, stream: bool = False) -> DeploymentHandle:
-        return self.server.options(multiplexed_model_id=adapter or "", stream=stream)
-
-    async def _generate(self, adapter: str | None, prompt, params: dict[str, Any]):
-        return await self._handle(adapter).generate.remote(prompt, params)
+        """The server's handle configured for (adapter, stream), built once: each `.options()` is a new
+        handle object (Ray Serve LLM's ingress caches them the same way). Bounded: names come from callers."""
+        key = (adapter or "", stream)
+        handle = self._handles.pop(key, None) or self.server.options(multiplexed_model_id=key[0], stream=stream)
+        self._handles[key] = handle   # most recently used last
+        if len(self._handles) > MAX_CACHED_HANDLES:
+            del self._handles[next(iter(self._handles))]
+        return handle
 
     async def _read(self, request: Request, model: type[Body]) -> Body:
         check_api_key(request, self.api_key)
@@ -98,32 +107,22 @@ class OpenAIIngress:
             adapter = self._adapter_of(body.model)
             params = body.sampling_params(COMPLETION_DEFAULT_MAX_TOKENS)
             prompts = body.prompts()
-            options = dict(n=body.n, echo=body.echo, names=body.wants_logprobs)
+            spec = RenderSpec.of(body, chat=False)
             if len(prompts) * (body.best_of or body.n) > oai.MAX_PROMPTS:
                 raise ValueError(f"{len(prompts)} prompts x {body.best_of or body.n} choices is more than "
                                  f"{oai.MAX_PROMPTS} sequences in one request")
             if body.stream:
                 if len(prompts) > 1:
                     raise ValueError("stream=true takes a single prompt")
-                return await self._stream(self._handle(adapter, stream=True).generate_stream.remote(
-                    prompts[0], params, **options), body, request, chat=False)
-            results = await asyncio.gather(*(self._handle(adapter).generate_choices.remote(
-                p, params, best_of=body.best_of, **options) for p in prompts))
+                return await self._relay(self._handle(adapter, stream=True).render_stream.remote(
+                    prompts[0], params, spec, n=body.n), request)
+            handle = self._handle(adapter)   # OpenAI numbers the choices prompt after prompt
+            parts = await asyncio.gather(*(handle.render_choices.remote(
+                p, params, dataclasses.replace(spec, first_index=i * body.n), n=body.n, best_of=body.best_of)
+                for i, p in enumerate(prompts)))
         except Exception as exc:  # noqa: BLE001  (every failure becomes an OpenAI error body)
             return self._error(exc, request)
-        choices = []
-        for i, outs in enumerate(results):   # OpenAI numbers the choices prompt after prompt
-            for out in outs:
-                if body.return_tokens_as_token_ids:
-                    rs.name_tokens_by_id(out)
-                text = (out.prompt_text or "") + out.text
-                logprobs = rs.completion_logprobs(out, echo=body.echo) if body.wants_logprobs else None
-                choices.append(rs.completion_choice(i * body.n + out.index, text, rs.finish_reason(out), logprobs))
-        usage = rs.usage(sum(outs[0].num_prompt_tokens for outs in results),
-                         sum(len(o.token_ids) for outs in results for o in outs),
-                         sum(outs[0].num_cached_tokens for outs in results))
-        return JSONResponse(rs.completion_body(rs.new_id("cmpl"), body.model, choices, usage),
-                            headers={REPLICA_HEADER: results[-1][-1].replica_id})
+        return self._body(spec, parts)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
@@ -131,82 +130,37 @@ class OpenAIIngress:
             body = await self._read(request, oai.ChatCompletionRequest)
             adapter = self._adapter_of(body.model)
             params = body.sampling_params(None)
-            options = dict(messages=body.chat_messages(), n=body.n, names=body.wants_logprobs,
-                           tools=body.template_tools())
+            spec = RenderSpec.of(body, chat=True)
+            options = dict(messages=body.chat_messages(), n=body.n, tools=body.template_tools())
             if body.stream:
-                return await self._stream(self._handle(adapter, stream=True).generate_stream.remote(
-                    None, params, **options), body, request, chat=True)
-            outs = await self._handle(adapter).generate_choices.remote(None, params, **options)
+                return await self._relay(self._handle(adapter, stream=True).render_stream.remote(
+                    None, params, spec, **options), request)
+            part = await self._handle(adapter).render_choices.remote(None, params, spec, **options)
         except Exception as exc:  # noqa: BLE001
             return self._error(exc, request)
-        for out in outs:
-            if body.return_tokens_as_token_ids:
-                rs.name_tokens_by_id(out)
-        choices = []
-        for out in outs:
-            content, calls = parse_tool_calls(out.text) if body.parses_tool_calls else (out.text, [])
-            choices.append(rs.chat_choice(out.index, content, rs.tool_finish_reason(rs.finish_reason(out), len(calls)),
-                                          rs.chat_logprobs(out) if body.wants_logprobs else None, calls))
-        usage = rs.usage(outs[0].num_prompt_tokens, sum(len(o.token_ids) for o in outs), outs[0].num_cached_tokens)
-        return JSONResponse(rs.chat_body(rs.new_id("chatcmpl"), body.model, choices, usage),
-                            headers={REPLICA_HEADER: outs[-1].replica_id})
+        return self._body(spec, [part])
 
-    async def _stream(self, items, body: oai.OpenAIRequest, request: Request, chat: bool) -> Response:
-        first = await items.__anext__()   # raises here (-> 4xx) for a request the server refused
-        return StreamingResponse(self._sse(first, items, body, request, chat), media_type="text/event-stream",
-                                 headers={REPLICA_HEADER: first.replica_id})
+    @staticmethod
+    def _body(spec: RenderSpec, parts: list) -> Response:
+        return Response(join_body(spec, parts), media_type="application/json",
+                        headers={REPLICA_HEADER: parts[-1].replica_id})
 
-    async def _sse(self, first, items, body: oai.OpenAIRequest, request: Request, chat: bool) -> AsyncIterator[str]:
-        response_id = rs.new_id("chatcmpl" if chat else "cmpl")   # not request_id: that names the helper
-        make_body = rs.chat_body if chat else rs.completion_body
-        prompt_tokens, cached_tokens, completion_tokens = first.num_prompt_tokens, first.num_cached_tokens, 0
-        started, offsets = set(), {}
-        parsers: dict[int, ToolCallParser] = {}   # per choice, when the request's tool calls are parsed
+    async def _relay(self, batches, request: Request) -> Response:
+        """The replica's rendered SSE events, as they come."""
+        replica_id, first = await batches.__anext__()   # raises here (-> 4xx) for a request the server refused
+        return StreamingResponse(self._events(first, batches, request), media_type="text/event-stream",
+                                 headers={REPLICA_HEADER: replica_id})
 
-        def event(choices: list[dict], usage: dict | None = None) -> str:
-            return f"data: {json.dumps(make_body(response_id, body.model, choices, usage, chunk=True))}\n\n"
-
+    @staticmethod
+    async def _events(first: str, batches, request: Request) -> AsyncIterator[str]:
         try:
-            item = first
-            while item is not None:
-                i = item.index
-                if body.return_tokens_as_token_ids:
-                    rs.name_tokens_by_id(item)
-                if chat and i not in started:
-                    yield event([rs.chat_chunk_choice(i, {"role": "assistant", "content": ""}, None)])
-                started.add(i)
-                completion_tokens += len(item.token_ids)
-                finish = rs.finish_reason(item)
-                echo = not chat and item.prompt_text is not None   # a choice's first item, with echo
-                text = (item.prompt_text or "") + item.text
-                if not (text or finish or body.wants_logprobs):
-                    pass     # tokens whose text is still held back: nothing to show yet
-                elif chat:
-                    logprobs = rs.chat_logprobs(item) if body.wants_logprobs else None
-                    calls, made = [], 0
-                    if body.parses_tool_calls:   # text inside a call is held until the call is complete
-                        parser = parsers.setdefault(i, ToolCallParser())
-                        made = parser.num_calls
-                        text, calls = parser.feed(text)
-                        if finish:
-                            tail, more = parser.finish()
-                            text, calls = text + tail, calls + more
-                        finish = rs.tool_finish_reason(finish, parser.num_calls)
-                    if text or calls or finish or logprobs or not body.parses_tool_calls:
-                        delta = {"content": text} if text or not (finish or calls) else {}
-                        if calls:
-                            delta["tool_calls"] = rs.tool_call_deltas(calls, made)
-                        yield event([rs.chat_chunk_choice(i, delta, finish, logprobs)])
-                else:
-                    logprobs = rs.completion_logprobs(item, echo, offsets.get(i, 0)) if body.wants_logprobs else None
-                    yield event([rs.completion_choice(i, text, finish, logprobs)])
-                offsets[i] = offsets.get(i, 0) + len(text)
-                item = await anext(items, None)
-            if body.include_usage:
-                yield event([], rs.usage(prompt_tokens, completion_tokens, cached_tokens))
-        except Exception as exc:  # noqa: BLE001  (the 200 is sent: report in-band)
+            if first:
+                yield first
+            async for batch in batches:
+                yield batch
+        except Exception as exc:  # noqa: BLE001  (the 200 is sent: report in-band, as the replica would not)
             yield sse_error(exc, request_id(request), f"{request.method} {request.url.path[:200]}")
-        yield "data: [DONE]\n\n"
+            yield DONE
 
     # ---- tokens -------------------------------------------------------------------------------------
     @app.post("/tokenize")
