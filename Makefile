@@ -23,9 +23,9 @@ $(VENV)/.installed: pyproject.toml
 test: venv
 	$(PY) -m pytest -q tests
 
-# The edit loop: every test that needs no Ray cluster (tests/tiers.py); `make test` runs them all.
+# The edit loop: the tests that need no Ray cluster and are not slow (tests/tiers.py); `make test` runs them all.
 test-fast: venv
-	$(PY) -m pytest -q -m "not ray" tests
+	$(PY) -m pytest -q -m "not ray and not slow" tests
 
 serve: venv
 	$(PY) -m deployments.cli serve --demo

@@ -1,4 +1,6 @@
 """Acceptance: continuous batching and preemption under KV pressure keep every request's tokens."""
+import pytest
+
 from factories import PROMPTS
 from workers import EngineConfig, LLMEngine, SamplingParams
 
@@ -9,6 +11,7 @@ def alone(engine, prompts, params=GREEDY):
     return [engine.generate(p, params)[0].token_ids for p in prompts]
 
 
+@pytest.mark.slow
 def test_requests_added_mid_decode_match_solo_runs(model_dir):
     engine = LLMEngine(EngineConfig(model=str(model_dir("qwen3")), device="cpu"))
     expected = alone(engine, PROMPTS)

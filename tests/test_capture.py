@@ -140,6 +140,8 @@ from workers import tape_graph  # noqa: E402
 from workers.graph_runner import width_buckets  # noqa: E402
 from workers.kv_cache import blocks_needed  # noqa: E402
 
+pytestmark = pytest.mark.slow   # make test-fast skips it: graph captures and replays
+
 MIXED = ["A", None, "B", "A", "C", None, "B", "C"]   # three adapters and the base in one batch
 
 

@@ -5,6 +5,8 @@ from factories import PROMPTS
 from lora_fixtures import ADAPTERS, PeftOracle, build_adapters
 from workers import EngineConfig, LLMEngine, SamplingParams
 
+pytestmark = pytest.mark.slow   # make test-fast skips it: PEFT oracle generations on two architectures
+
 MAX_TOKENS = 24
 NAMES = [None, *ADAPTERS]
 REQUESTS = [(PROMPTS[i % len(PROMPTS)], NAMES[i % len(NAMES)]) for i in range(24)]
