@@ -4,6 +4,8 @@ import pytest
 from factories import PROMPTS
 from workers import EngineConfig, LLMEngine, SamplingParams
 
+pytestmark = pytest.mark.slow   # make test-fast skips it: whole engines under KV pressure
+
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 
@@ -11,7 +13,6 @@ def alone(engine, prompts, params=GREEDY):
     return [engine.generate(p, params)[0].token_ids for p in prompts]
 
 
-@pytest.mark.slow
 def test_requests_added_mid_decode_match_solo_runs(model_dir):
     engine = LLMEngine(EngineConfig(model=str(model_dir("qwen3")), device="cpu"))
     expected = alone(engine, PROMPTS)
