@@ -16,7 +16,7 @@ from lora_fixtures import ALL7
 from workers import EngineConfig, LLMEngine, SamplingParams
 from workers.adapters import display_name
 
-pytestmark = pytest.mark.slow   # make test-fast skips it: engines with faulty adapters, TP 1 and 2
+pytestmark = pytest.mark.slow   # make test-fast skips it: engines with faulty adapters
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 NAMES = [None, "A", "B", "A", None, "B"]

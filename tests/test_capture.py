@@ -12,6 +12,8 @@ from lora_reference import OpLog
 from workers import EngineConfig, LLMEngine, SamplingParams, cpu_attention
 from workers.sampler import SamplerState, SamplingTensors, sample
 
+pytestmark = pytest.mark.slow   # make test-fast skips it: graph captures and replays
+
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 # every sampler option at once: the processors, min-p, top-k / top-p, top logprobs
 EVERYTHING = dict(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, presence_penalty=0.5, frequency_penalty=0.3,
@@ -139,8 +141,6 @@ from lora_fixtures import ALL7  # noqa: E402
 from workers import tape_graph  # noqa: E402
 from workers.graph_runner import width_buckets  # noqa: E402
 from workers.kv_cache import blocks_needed  # noqa: E402
-
-pytestmark = pytest.mark.slow   # make test-fast skips it: graph captures and replays
 
 MIXED = ["A", None, "B", "A", "C", None, "B", "C"]   # three adapters and the base in one batch
 

@@ -13,7 +13,7 @@ from factories import PROMPTS, make_adapter
 from lora_fixtures import ADAPTERS, PeftOracle
 from workers import EngineConfig, LLMEngine, SamplingParams
 
-pytestmark = pytest.mark.slow   # make test-fast skips it: PEFT oracle generations under chunking
+pytestmark = pytest.mark.slow   # make test-fast skips it: PEFT oracles under chunking
 
 MAX_TOKENS = 10
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow   # make test-fast skips it: builds the CPU kernels for older -march targets
+pytestmark = pytest.mark.slow   # make test-fast skips it: CPU kernels built for older -march targets
 
 TESTS = Path(__file__).resolve().parent
 

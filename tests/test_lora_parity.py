@@ -5,7 +5,7 @@ from factories import PROMPTS
 from lora_fixtures import ADAPTERS, PeftOracle, build_adapters
 from workers import EngineConfig, LLMEngine, SamplingParams
 
-pytestmark = pytest.mark.slow   # make test-fast skips it: PEFT oracle generations on two architectures
+pytestmark = pytest.mark.slow   # make test-fast skips it: PEFT oracles on two architectures
 
 MAX_TOKENS = 24
 NAMES = [None, *ADAPTERS]

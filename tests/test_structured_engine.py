@@ -12,7 +12,7 @@ from factories import PROMPTS
 from workers import EngineConfig, LLMEngine, SamplingParams
 from workers.grammar import GrammarError, StructuredSpec
 
-pytestmark = pytest.mark.slow   # make test-fast skips it: grammar-constrained generations under every schedule
+pytestmark = pytest.mark.slow   # make test-fast skips it: grammar-constrained generations
 
 VOCAB = 389   # the tokenizer's 384 + 5 padding rows the grammar must never allow
 SCHEMA = {"type": "object", "properties": {
