@@ -1,5 +1,5 @@
 """A private Ray + Serve on loopback for a test module that must own its cluster (tests marked own_cluster;
-the others share one: conftest's shared_serve / shared_ray), and a bounded wait."""
+the others share one: tests/tiers.py's shared_serve / shared_ray), and a bounded wait."""
 from __future__ import annotations
 
 import os

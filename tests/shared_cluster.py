@@ -1,8 +1,8 @@
-"""One loopback Ray + Serve shared by the test modules that only deploy apps or create actors (per pytest
-process: each xdist worker has its own), started on first use, as Ray's own serve/tests/conftest.py does.
+"""One loopback Ray + Serve per pytest process, shared by the test modules that only deploy apps or create
+actors, started on first use, as Ray's own serve/tests/conftest.py does.
 
 Starting a cluster costs ~10 s of two busy cores; the suite used to start one per module. A module on the
-shared cluster (conftest's `shared_serve` / `shared_ray` fixtures) finds it empty and leaves it empty:
+shared cluster (the `shared_serve` / `shared_ray` fixtures of tests/tiers.py) finds it empty and leaves it empty:
 `reset` deletes its Serve apps, kills the actors and removes the placement groups it left, and waits until
 every CPU is free again, which is what `ray.shutdown` did for it before. A module that must own its cluster
 (`local_serve` / `local_ray` / its own `ray.init`) stops the shared one first (`stop`); the next shared
