@@ -10,7 +10,7 @@ PINS := torch==2.13.0 ray[serve]==2.60.0 transformers==5.24.0 peft==0.21.2 \
 # Only `make bench` needs these (plots; numpy also comes with transformers).
 BENCH_PINS := matplotlib==3.11.2 numpy==2.4.6
 
-.PHONY: venv test serve bench clean
+.PHONY: venv test test-fast serve bench clean
 
 venv: $(VENV)/.installed
 
@@ -22,6 +22,10 @@ $(VENV)/.installed: pyproject.toml
 
 test: venv
 	$(PY) -m pytest -q tests
+
+# The edit loop: the tests that need no Ray cluster and are not slow (tests/tiers.py); `make test` runs them all.
+test-fast: venv
+	$(PY) -m pytest -q -m "not ray and not slow" tests
 
 serve: venv
 	$(PY) -m deployments.cli serve --demo

@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny random checkpoints built once per session in a temp dir."""
+"""Shared fixtures: tiny random checkpoints built once per session in a temp dir; the test tiers."""
 from __future__ import annotations
 
 import os
@@ -13,6 +13,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from factories import load_hf, make_model  # noqa: E402
+# The test tiers: `ray` / `own_cluster` markers, the shared cluster's fixtures, the guard (tests/tiers.py).
+from tiers import (_own_cluster, pytest_collection_modifyitems, pytest_runtest_setup,  # noqa: E402,F401
+                   pytest_runtest_teardown, pytest_sessionfinish, shared_ray, shared_serve)
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
-"""A private Ray + Serve on loopback for one Serve test module, and a bounded wait."""
+"""A private Ray + Serve on loopback for a test module that must own its cluster (tests marked own_cluster;
+the others share one: tests/tiers.py's shared_serve / shared_ray), and a bounded wait."""
 from __future__ import annotations
 
 import os
@@ -8,6 +9,7 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator, TypeVar
 
+from shared_cluster import CLUSTER
 from workers.ray_utils import free_port, init_local_ray
 
 T = TypeVar("T")
@@ -18,6 +20,7 @@ def local_ray(num_cpus: int = 4, prefix: str = "lsr") -> Iterator[str]:
     """Ray alone (loopback, own short temp dir: Ray's socket paths have a length limit); yields the dir."""
     import ray
 
+    CLUSTER.stop()   # one Ray per process: the shared one goes, the next shared module starts it again
     temp_dir = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
     init_local_ray(temp_dir, num_cpus=num_cpus)
     try:
@@ -33,6 +36,7 @@ def local_serve(num_cpus: int = 4, env: dict[str, str] | None = None) -> Iterato
 
     `env` is set before Ray starts (Ray's processes read it at start) and restored after.
     """
+    CLUSTER.stop()   # one Ray per process: the shared one goes, the next shared module starts it again
     env = env or {}
     saved = {key: os.environ.get(key) for key in env}
     os.environ.update(env)

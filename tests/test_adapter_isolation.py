@@ -13,9 +13,10 @@ from safetensors.torch import load_file, save_file
 
 from factories import PROMPTS, make_adapter
 from lora_fixtures import ALL7
-from serve_fixtures import local_ray
 from workers import EngineConfig, LLMEngine, SamplingParams
 from workers.adapters import display_name
+
+pytestmark = pytest.mark.slow   # make test-fast skips it: engines with faulty adapters
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 NAMES = [None, "A", "B", "A", None, "B"]
@@ -24,12 +25,6 @@ NAMES = [None, "A", "B", "A", None, "B"]
 @pytest.fixture(scope="module")
 def model(model_dir):
     return model_dir("qwen3")
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    with local_ray(num_cpus=4, prefix="lsiso"):
-        yield
 
 
 def _adapters(model, out):
@@ -111,7 +106,7 @@ def test_a_rank_that_cannot_install_an_adapter_fails_only_its_requests_tp1(model
     assert _run(engine) == reference      # the next request for A loads it into a slot again
 
 
-def test_tp2_ranks_never_read_adapter_files_and_isolate_a_bad_install(model, tmp_path, ray_session):
+def test_tp2_ranks_never_read_adapter_files_and_isolate_a_bad_install(model, tmp_path, shared_ray):
     adapters = _adapters(model, tmp_path)
     reference = _run(_engine(model, adapters))
     engine = _engine(model, adapters, tp=2)

@@ -11,6 +11,8 @@ from factories import PROMPTS, make_adapter
 from lora_fixtures import ALL7
 from workers import EngineConfig, LLMEngine, SamplingParams
 
+pytestmark = pytest.mark.slow   # make test-fast skips it: engines swapping adapter versions
+
 LONG = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 

@@ -1,6 +1,10 @@
 """Acceptance: continuous batching and preemption under KV pressure keep every request's tokens."""
+import pytest
+
 from factories import PROMPTS
 from workers import EngineConfig, LLMEngine, SamplingParams
+
+pytestmark = pytest.mark.slow   # make test-fast skips it: whole engines under KV pressure
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 

@@ -6,6 +6,8 @@ from dataclasses import replace
 
 import pytest
 
+pytestmark = pytest.mark.slow   # make test-fast skips it: runs the benchmark harness
+
 pytest.importorskip("peft")   # the peer benchmark runs HF + PEFT
 
 

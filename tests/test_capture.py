@@ -13,6 +13,8 @@ from workers import EngineConfig, LLMEngine, SamplingParams, cpu_attention
 from sampler_rows import step_rows
 from workers.sampler import SamplerState, sample
 
+pytestmark = pytest.mark.slow   # make test-fast skips it: graph captures and replays
+
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 # every sampler option at once: the processors, min-p, top-k / top-p, top logprobs
 EVERYTHING = dict(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, presence_penalty=0.5, frequency_penalty=0.3,

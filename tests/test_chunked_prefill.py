@@ -13,6 +13,8 @@ from factories import PROMPTS, make_adapter
 from lora_fixtures import ADAPTERS, PeftOracle
 from workers import EngineConfig, LLMEngine, SamplingParams
 
+pytestmark = pytest.mark.slow   # make test-fast skips it: PEFT oracles under chunking
+
 MAX_TOKENS = 10
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 NAMES = [None, "r4_all", "r16_emb_head"]

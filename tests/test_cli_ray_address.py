@@ -10,9 +10,13 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from ray_clusters import local_env, processes_of
 from serve_fixtures import wait_until
 from workers.ray_utils import free_port
+
+pytestmark = pytest.mark.own_cluster   # the CLI starts its own Ray
 
 ROOT = Path(__file__).resolve().parents[1]
 HINT = re.compile(r'loraserve: Ray at (127\.0\.0\.1:\d+); from a script: ray\.init\(address="\1"\)')

@@ -25,6 +25,8 @@ from ray_clusters import local_env
 from serve_fixtures import wait_until
 from workers.ray_utils import free_port
 
+pytestmark = pytest.mark.own_cluster   # the CLI starts its own Ray
+
 ROOT = Path(__file__).resolve().parents[1]
 README_ROOT = "/path/to/adapters"
 START_TIMEOUT_S = 300     # 2 shared cores: a start takes 30-80 s here

@@ -25,7 +25,8 @@ from ray_clusters import (FAKE_NPU_NODE, LoopbackAutoscalingCluster, listening_a
 from serve_fixtures import wait_until
 from workers.ray_utils import free_port
 
-pytestmark = pytest.mark.filterwarnings("ignore:The `metrics_interval_s` field:DeprecationWarning")
+pytestmark = [pytest.mark.own_cluster,   # Ray's fake multi-node autoscaling cluster
+              pytest.mark.filterwarnings("ignore:The `metrics_interval_s` field:DeprecationWarning")]
 
 APP, BASE, ADAPTER = "scale", "tiny", "hot"
 REPLICA_HEADER = "x-loraserve-replica"

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow   # make test-fast skips it: CPU kernels built for older -march targets
+
 TESTS = Path(__file__).resolve().parent
 
 

@@ -186,11 +186,13 @@ torch.testing.assert_close(case.y, expected, rtol=1e-5, atol=1e-5)
 """
 
 
+@pytest.mark.slow   # a fresh interpreter running the ops
 def test_switched_off_the_torch_ops_do_the_work():
     done = _run_python(FALLBACK, LORASERVE_CPU_KERNEL="0", PYTHONPATH="tests")
     assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.slow   # a fresh interpreter running the ops
 def test_without_a_compiler_the_torch_ops_do_the_work_and_a_warning_says_why(tmp_path):
     done = _run_python(FALLBACK, CC=str(tmp_path / "no-such-cc"), LORASERVE_KERNEL_DIR=str(tmp_path / "kernels"),
                        PYTHONPATH="tests")

@@ -66,6 +66,7 @@ def test_placement_timeout_flag():
     assert config_from_args(parse_args(["serve", "--demo", "--placement-timeout", "0"])).placement_timeout_s is None
 
 
+@pytest.mark.own_cluster
 def test_impossible_placement_fails_at_once_with_what_it_asked_and_what_the_cluster_has(tmp_path):
     started = time.monotonic()
     proc = run_cli(tmp_path, "--tp", "2", "--num-cpus", "2")
@@ -80,6 +81,7 @@ def test_impossible_placement_fails_at_once_with_what_it_asked_and_what_the_clus
         stop_tree(proc, [])
 
 
+@pytest.mark.own_cluster
 def test_sigterm_while_blocked_waiting_for_a_replica_stops_the_cli(tmp_path):
     proc = run_cli(tmp_path, "--tp", "2", "--num-cpus", "2", "--placement-timeout", "0")   # waits forever
     wait_until(lambda: proc.poll() is not None or "Started Serve" in (tmp_path / "serve.log").read_text(),
@@ -89,6 +91,7 @@ def test_sigterm_while_blocked_waiting_for_a_replica_stops_the_cli(tmp_path):
     sigterm_and_check(proc, tmp_path)
 
 
+@pytest.mark.own_cluster
 def test_sigterm_while_ray_starts_stops_the_cli(tmp_path):
     proc = run_cli(tmp_path, "--num-cpus", "2")
     wait_until(lambda: proc.poll() is not None or any(
@@ -97,6 +100,7 @@ def test_sigterm_while_ray_starts_stops_the_cli(tmp_path):
     sigterm_and_check(proc, tmp_path)   # inside ray.init: the raylet and agents are still starting
 
 
+@pytest.mark.own_cluster
 def test_a_replica_the_busy_cluster_cannot_place_in_time_fails_the_start(tmp_path):
     """A cluster of 3 CPUs fits a TP=2 replica, but 2 are held: after placement_timeout_s the CLI gives up."""
     import ray

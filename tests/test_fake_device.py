@@ -22,6 +22,8 @@ from workers.device import PLATFORMS
 from workers.grammar import StructuredSpec
 from workers.worker import Worker
 
+pytestmark = pytest.mark.slow   # make test-fast skips it: whole engines through the emulators
+
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 SAMPLED = [SamplingParams(max_tokens=10, temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, presence_penalty=0.5,
                           repetition_penalty=1.2, logit_bias={3: 2.0}, seed=i, logprobs=2) for i in range(4)]

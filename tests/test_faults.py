@@ -20,6 +20,8 @@ import requests
 from factories import PROMPTS, make_adapter
 from serve_fixtures import local_serve, wait_until
 
+pytestmark = pytest.mark.own_cluster   # kills replicas, ranks and registries of its own cluster
+
 BASE = "tiny"
 MAX_MODEL_LEN = 2048
 STREAM_TOKENS = MAX_MODEL_LEN - 64   # long enough to be in flight across a kill and a registry restart

@@ -12,7 +12,7 @@ import pytest
 import requests
 
 from factories import make_adapter
-from serve_fixtures import local_serve, wait_until
+from serve_fixtures import wait_until
 
 APP, BASE, KEY = "fuzz", "tiny", "fuzz-key"
 MAX_BYTES = 32 * 1024
@@ -107,7 +107,7 @@ def generate_cases(rng: random.Random) -> list[tuple[str, str, dict, bytes | Non
 
 
 @pytest.fixture(scope="module")
-def url(model_dir, tmp_path_factory):
+def url(model_dir, tmp_path_factory, shared_serve):
     from ray import serve
 
     from deployments.app import build_app
@@ -115,12 +115,11 @@ def url(model_dir, tmp_path_factory):
     model = model_dir("qwen3")
     root = tmp_path_factory.mktemp("fuzz_adapters")
     fixed = make_adapter(model, root / "fixed", r=4, seed=21)
-    with local_serve(num_cpus=2) as base_url:
-        serve.run(build_app(dict(model=str(model), served_model_name=BASE, adapters={"fixed": str(fixed)},
-                                 device="cpu", max_model_len=128, api_key=KEY, enable_hotload=True,
-                                 adapter_roots=[str(root)], max_request_bytes=MAX_BYTES,
-                                 registry_sync_interval_s=0.1)), name=APP, route_prefix="/")
-        yield base_url
+    serve.run(build_app(dict(model=str(model), served_model_name=BASE, adapters={"fixed": str(fixed)},
+                             device="cpu", max_model_len=128, api_key=KEY, enable_hotload=True,
+                             adapter_roots=[str(root)], max_request_bytes=MAX_BYTES,
+                             registry_sync_interval_s=0.1)), name=APP, route_prefix="/")
+    return shared_serve
 
 
 def canary(url: str) -> list:

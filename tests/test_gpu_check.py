@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow   # make test-fast skips it: the whole gpu_check.sh dry run
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

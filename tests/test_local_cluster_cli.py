@@ -57,6 +57,7 @@ def workspace(tmp_path, tmp_path_factory):
     shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+@pytest.mark.own_cluster
 def test_readme_commands_deploy_serve_config_and_report_it_running(workspace):
     tmp_path, temp_dir, demo_cache = workspace
     commands = readme_commands()

@@ -8,6 +8,8 @@ from lora.errors import AdapterError, AdapterNotFoundError
 from lora_fixtures import ALL7
 from workers import EngineConfig, LLMEngine, SamplingParams
 
+pytestmark = pytest.mark.slow   # make test-fast skips it: whole engines under scheduling limits
+
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 

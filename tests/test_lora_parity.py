@@ -5,6 +5,8 @@ from factories import PROMPTS
 from lora_fixtures import ADAPTERS, PeftOracle, build_adapters
 from workers import EngineConfig, LLMEngine, SamplingParams
 
+pytestmark = pytest.mark.slow   # make test-fast skips it: PEFT oracles on two architectures
+
 MAX_TOKENS = 24
 NAMES = [None, *ADAPTERS]
 REQUESTS = [(PROMPTS[i % len(PROMPTS)], NAMES[i % len(NAMES)]) for i in range(24)]
@@ -18,7 +20,7 @@ def setup(request, model_dir, tmp_path_factory):
     adapters = build_adapters(path, tmp_path_factory.mktemp(f"adapters-{request.param}"))
     oracle = PeftOracle(path, adapters)
     expected = [oracle.greedy(prompt, name, MAX_TOKENS) for prompt, name in REQUESTS]
-    base = {prompt: oracle.greedy(prompt, None, MAX_TOKENS)[0] for prompt, _ in REQUESTS}
+    base = {prompt: oracle.greedy(prompt, None, MAX_TOKENS)[0] for prompt in dict.fromkeys(p for p, _ in REQUESTS)}
     for name in ADAPTERS:  # every adapter changes the output somewhere, so parity is not trivial
         assert any(tokens != base[p] for (p, a), (tokens, _) in zip(REQUESTS, expected) if a == name), name
     return path, adapters, expected

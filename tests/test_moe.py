@@ -15,6 +15,8 @@ from moe_factories import (MergedOracle, PerAdapterOracle, make_expert_adapter, 
                            write_per_expert_adapter)
 from workers import EngineConfig, LLMEngine, SamplingParams
 
+pytestmark = pytest.mark.slow   # make test-fast skips it: Qwen3-MoE engines against HF + PEFT
+
 MAX_TOKENS = 12
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 NAMES = [None, "attn", "experts", "per_expert", "dense_mlp"]

@@ -8,7 +8,6 @@ import pytest
 
 from factories import PROMPTS, engine_with_adapters, make_adapter
 from moe_factories import make_expert_adapter, make_moe_model, write_dense_mlp_adapter, write_per_expert_adapter
-from serve_fixtures import local_ray
 from workers import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -16,10 +15,7 @@ NAMES = [None, "attn", "experts", "per_expert", "dense_mlp"]
 REQUESTS = [(PROMPTS[i // len(NAMES)], NAMES[i % len(NAMES)]) for i in range(3 * len(NAMES))]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def ray_session():
-    with local_ray(num_cpus=4, prefix="lsmoe"):
-        yield
+pytestmark = pytest.mark.usefixtures("shared_ray")
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ import requests
 import torch
 
 from factories import PROMPTS, make_adapter
-from serve_fixtures import local_serve
 
 APP, BASE = "fields", "tiny"
 
@@ -24,16 +23,15 @@ def files(model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def url(files):
+def url(files, shared_serve):
     from ray import serve
 
     from deployments.app import build_app
 
-    with local_serve(num_cpus=2) as base_url:
-        serve.run(build_app(dict(model=str(files["model"]), served_model_name=BASE, adapters={"a": str(files["a"])},
-                                 device="cpu", dtype="float32", max_model_len=256, max_lora_rank=8, num_replicas=1,
-                                 registry_sync_interval_s=0.1)), name=APP, route_prefix="/")
-        yield base_url
+    serve.run(build_app(dict(model=str(files["model"]), served_model_name=BASE, adapters={"a": str(files["a"])},
+                             device="cpu", dtype="float32", max_model_len=256, max_lora_rank=8, num_replicas=1,
+                             registry_sync_interval_s=0.1)), name=APP, route_prefix="/")
+    return shared_serve
 
 
 @pytest.fixture(scope="module")

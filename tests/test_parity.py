@@ -5,6 +5,8 @@ import torch
 from factories import PROMPTS
 from workers import EngineConfig, LLMEngine, SamplingParams
 
+pytestmark = pytest.mark.slow   # make test-fast skips it: whole generations against transformers
+
 MAX_TOKENS = 32
 
 

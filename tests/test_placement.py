@@ -20,6 +20,7 @@ from workers.ray_utils import (actor_resources, init_local_ray, local_device_ind
 NPU, GPU, CPU = PLATFORMS["npu"], PLATFORMS["cuda"], PLATFORMS["cpu"]
 
 
+@pytest.mark.own_cluster
 def test_engine_side_needs_a_running_ray():
     ray = pytest.importorskip("ray")
     if ray.is_initialized():
@@ -79,6 +80,7 @@ def _check_placements(placements):
     assert len({p["node_id"] for p in placements}) == 1         # STRICT_PACK: one node
 
 
+@pytest.mark.own_cluster
 def test_npu_workers_in_their_own_group(ray_npu):
     ray = ray_npu
     from ray.util.placement_group import placement_group_table, remove_placement_group
@@ -98,6 +100,7 @@ def test_npu_workers_in_their_own_group(ray_npu):
     assert "torch_npu" not in sys.modules
 
 
+@pytest.mark.own_cluster
 def test_npu_workers_inside_a_callers_group(ray_npu):
     ray = ray_npu
     from ray.util.placement_group import placement_group, remove_placement_group

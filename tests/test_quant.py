@@ -31,6 +31,8 @@ from workers.quant.kernels import CpuW8A8, NpuW8A8, w8a8_kernel
 from workers.quant.w8a8_linear import W8A8Linear
 from workers.quant.writer import quantize_checkpoint, quantize_weight
 
+pytestmark = pytest.mark.slow   # make test-fast skips it: W8A8 checkpoints against reference arithmetic
+
 MAX_TOKENS = 16
 NAMES = [None, *ADAPTERS]
 REQUESTS = [(PROMPTS[i % len(PROMPTS)], NAMES[i % len(NAMES)]) for i in range(14)]

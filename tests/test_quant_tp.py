@@ -11,7 +11,6 @@ import pytest
 
 from factories import PROMPTS, engine_with_adapters
 from lora_fixtures import ADAPTERS, PeftOracle, build_adapters
-from serve_fixtures import local_ray   # loopback-only Ray, even when Ray was imported first
 from w8a8_reference import assert_matches_reference, install_reference
 from workers import LLMEngine, SamplingParams
 from workers.quant.writer import quantize_checkpoint
@@ -23,10 +22,7 @@ ARCHS = {"qwen3_kv1": ("qwen3", dict(num_key_value_heads=1)), "llama": ("llama",
 INT8 = ("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def ray_session():
-    with local_ray(num_cpus=4, prefix="lsqtp"):
-        yield
+pytestmark = pytest.mark.usefixtures("shared_ray")
 
 
 def engine_for(path, adapters, **kwargs) -> LLMEngine:

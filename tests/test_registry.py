@@ -19,7 +19,7 @@ import pytest
 import requests
 
 from factories import make_adapter
-from serve_fixtures import local_serve, wait_until
+from serve_fixtures import wait_until
 
 APP, BASE = "reg", "tiny"
 
@@ -39,14 +39,13 @@ def app_args(files, **overrides) -> dict:
 
 
 @pytest.fixture(scope="module")
-def url(files):
+def url(files, shared_serve):
     from ray import serve
 
     from deployments.app import build_app
 
-    with local_serve(num_cpus=4) as base_url:
-        serve.run(build_app(app_args(files)), name=APP, route_prefix="/")
-        yield base_url
+    serve.run(build_app(app_args(files)), name=APP, route_prefix="/")
+    return shared_serve
 
 
 def server():

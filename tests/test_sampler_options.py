@@ -69,6 +69,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow   # a whole batch against a torch reference
 def test_processors_match_a_plain_torch_reference_in_one_batch(setup):
     path, model, tokenizer = setup
     engine = LLMEngine(EngineConfig(model=str(path), device="cpu", dtype="float32"))

@@ -15,7 +15,7 @@ import pytest
 import requests
 
 from factories import make_adapter
-from serve_fixtures import local_serve, wait_until
+from serve_fixtures import wait_until
 
 APP, BASE, KEY = "sec", "tiny", "sekret-key-1"
 MAX_BYTES = 64 * 1024
@@ -47,19 +47,18 @@ def files(model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def url(files):
+def url(files, shared_serve):
     from ray import serve
 
     from deployments.app import build_app
 
     assert "LORASERVE_API_KEY" not in os.environ   # `plain` must run with its defaults
-    with local_serve(num_cpus=4) as base_url:
-        common = dict(model=str(files["model"]), device="cpu", max_model_len=256, registry_sync_interval_s=0.1)
-        serve.run(build_app(dict(common, served_model_name=BASE, adapters={"fixed": str(files["fixed"])},
-                                 api_key=KEY, enable_hotload=True, adapter_roots=[str(files["root"])],
-                                 max_request_bytes=MAX_BYTES)), name=APP, route_prefix="/")
-        serve.run(build_app(dict(common, served_model_name="plain")), name="plain", route_prefix="/plain")
-        yield base_url
+    common = dict(model=str(files["model"]), device="cpu", max_model_len=256, registry_sync_interval_s=0.1)
+    serve.run(build_app(dict(common, served_model_name=BASE, adapters={"fixed": str(files["fixed"])},
+                             api_key=KEY, enable_hotload=True, adapter_roots=[str(files["root"])],
+                             max_request_bytes=MAX_BYTES)), name=APP, route_prefix="/")
+    serve.run(build_app(dict(common, served_model_name="plain")), name="plain", route_prefix="/plain")
+    return shared_serve
 
 
 def call(url: str, method: str, path: str, body=None, headers=None, **kw) -> requests.Response:

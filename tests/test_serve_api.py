@@ -11,7 +11,7 @@ import pytest
 import requests
 
 from factories import PROMPTS, make_adapter
-from serve_fixtures import local_serve, wait_until
+from serve_fixtures import wait_until
 from workers import EngineConfig, LLMEngine, SamplingParams
 
 APP, BASE = "api", "tiny"
@@ -31,18 +31,17 @@ def files(model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def url(files):
+def url(files, shared_serve):
     from ray import serve
 
     from deployments.app import build_app
 
-    with local_serve(num_cpus=6) as base_url:   # 2 replicas + a TP=2 replica with its 2 ranks (logical CPUs)
-        # max_ongoing_requests=2: a burst overflows the replica holding an adapter, so both replicas serve
-        serve.run(build_app(dict(model=str(files["model"]), served_model_name=BASE, adapters={"a": str(files["a"])},
-                                 device="cpu", max_model_len=MAX_MODEL_LEN, max_lora_rank=MAX_RANK, num_replicas=2,
-                                 max_ongoing_requests=2, registry_sync_interval_s=0.1, enable_hotload=True)),
-                  name=APP, route_prefix="/")
-        yield base_url
+    # max_ongoing_requests=2: a burst overflows the replica holding an adapter, so both replicas serve
+    serve.run(build_app(dict(model=str(files["model"]), served_model_name=BASE, adapters={"a": str(files["a"])},
+                             device="cpu", max_model_len=MAX_MODEL_LEN, max_lora_rank=MAX_RANK, num_replicas=2,
+                             max_ongoing_requests=2, registry_sync_interval_s=0.1, enable_hotload=True)),
+              name=APP, route_prefix="/")
+    return shared_serve
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import requests
 pytestmark = pytest.mark.filterwarnings("ignore:The `metrics_interval_s` field:DeprecationWarning")
 
 from factories import PROMPTS, make_adapter
-from serve_fixtures import local_serve, wait_until
+from serve_fixtures import wait_until
 
 APP, BASE = "scale", "tiny"
 REPLICA = "x-loraserve-replica"
@@ -24,22 +24,21 @@ BURST_WORKERS, BURST_MAX_REQUESTS, BURST_MAX_S = 6, 3000, 90   # bounded in coun
 
 
 @pytest.fixture(scope="module")
-def url(model_dir, tmp_path_factory):
+def url(model_dir, tmp_path_factory, shared_serve):
     from ray import serve
 
     from deployments.app import build_app
 
     model = model_dir("qwen3")
     hot = make_adapter(model, tmp_path_factory.mktemp("scale") / "hot", r=8, seed=5)
-    with local_serve(num_cpus=4) as base_url:
-        serve.run(build_app(dict(model=str(model), served_model_name=BASE, device="cpu", max_model_len=256,
-                                 autoscaling_config=AUTOSCALING, max_ongoing_requests=4,
-                                 registry_sync_interval_s=0.1, enable_hotload=True)), name=APP, route_prefix="/")
-        # hot-loaded while only one replica exists: the replica autoscaling adds must still serve it
-        load = requests.post(f"{base_url}/v1/load_lora_adapter", json={"lora_name": "hot", "lora_path": str(hot)},
-                             timeout=120)
-        assert load.status_code == 200, load.text
-        yield base_url
+    serve.run(build_app(dict(model=str(model), served_model_name=BASE, device="cpu", max_model_len=256,
+                             autoscaling_config=AUTOSCALING, max_ongoing_requests=4,
+                             registry_sync_interval_s=0.1, enable_hotload=True)), name=APP, route_prefix="/")
+    # hot-loaded while only one replica exists: the replica autoscaling adds must still serve it
+    load = requests.post(f"{shared_serve}/v1/load_lora_adapter", json={"lora_name": "hot", "lora_path": str(hot)},
+                         timeout=120)
+    assert load.status_code == 200, load.text
+    return shared_serve
 
 
 def running_replicas() -> dict[str, int]:

@@ -10,6 +10,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
 import requests
 import yaml
 
@@ -54,6 +55,7 @@ def _processes_under(marker: str) -> list[int]:
     return pids
 
 
+@pytest.mark.own_cluster
 def test_serve_run_serve_config_answers_a_completion(tmp_path):
     config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
     port = free_port()

@@ -11,7 +11,6 @@ import openai
 import pytest
 
 from factories import make_adapter
-from serve_fixtures import local_serve
 
 BASE = "tiny"
 MAX_TOKENS = 160
@@ -68,19 +67,17 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def url(model_dir, tmp_path_factory):
+def url(model_dir, tmp_path_factory, shared_serve):
     from ray import serve
 
     from deployments.app import build_app
 
     model = model_dir("qwen3", max_position_embeddings=2048)   # the tools' signatures: ~700 prompt tokens
     adapter = make_adapter(model, tmp_path_factory.mktemp("structured") / "a", r=8, seed=1)
-    with local_serve(num_cpus=3) as base_url:
-        serve.run(build_app(dict(model=str(model), served_model_name=BASE, adapters={"a": str(adapter)},
-                                 device="cpu", max_model_len=2048, max_lora_rank=8, max_ongoing_requests=64)),
-                  name="structured", route_prefix="/")
-        yield base_url
-        serve.delete("structured")
+    serve.run(build_app(dict(model=str(model), served_model_name=BASE, adapters={"a": str(adapter)},
+                             device="cpu", max_model_len=2048, max_lora_rank=8, max_ongoing_requests=64)),
+              name="structured", route_prefix="/")
+    return shared_serve
 
 
 @pytest.fixture(scope="module")

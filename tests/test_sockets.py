@@ -58,6 +58,7 @@ def test_proc_net_addresses_are_decoded(hex_address, text, loopback, wildcard):
     assert (listener.loopback, listener.wildcard) == (loopback, wildcard)
 
 
+@pytest.mark.own_cluster
 def test_no_process_of_the_service_listens_beyond_loopback(service):
     proc, pids, _ = service
     sockets = listening_sockets(process_tree(proc.pid))
@@ -71,6 +72,7 @@ def test_no_process_of_the_service_listens_beyond_loopback(service):
     assert len(ranks) == 2   # rank 0 serves the torch.distributed store; both ranks' gloo pairs listen
 
 
+@pytest.mark.own_cluster
 def test_sigterm_stops_the_cli_and_every_process_it_started(service):
     proc, pids, log = service
     assert len(alive(pids)) >= 10, "the service's processes"

@@ -12,6 +12,8 @@ from factories import PROMPTS
 from workers import EngineConfig, LLMEngine, SamplingParams
 from workers.grammar import GrammarError, StructuredSpec
 
+pytestmark = pytest.mark.slow   # make test-fast skips it: grammar-constrained generations
+
 VOCAB = 389   # the tokenizer's 384 + 5 padding rows the grammar must never allow
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 6},
@@ -162,21 +164,18 @@ def test_bitmask_rows_reach_only_the_constrained_rows(engine):
     assert state.token_bitmask.shape[1] == (VOCAB + 31) // 32 and state.token_bitmask.dtype == torch.int32
 
 
-def test_tensor_parallel_ranks_take_the_bitmask_from_the_plan(path, engine):
+def test_tensor_parallel_ranks_take_the_bitmask_from_the_plan(path, engine, shared_ray):
     """TP 2 (Ray actors): the plan carries the rows to every rank, rank 0 masks; greedy tokens equal TP 1's."""
-    from serve_fixtures import local_ray
-
     small = {"type": "object", "properties": {"c": {"enum": ["red", "green"]},
                                               "n": {"type": "integer", "minimum": 0, "maximum": 9}},
              "required": ["c", "n"]}
     requests = [SamplingParams(max_tokens=32, temperature=0.0, structured=StructuredSpec.json_schema(small))] * 3
     want = engine.generate(PROMPTS[:3], requests)
-    with local_ray(num_cpus=3, prefix="lsstp"):
-        tp = LLMEngine(EngineConfig(model=str(path), device="cpu", dtype="float32", max_num_seqs=8,
-                                    tensor_parallel_size=2))
-        try:
-            got = tp.generate(PROMPTS[:3], requests)
-        finally:
-            tp.close()
+    tp = LLMEngine(EngineConfig(model=str(path), device="cpu", dtype="float32", max_num_seqs=8,
+                                tensor_parallel_size=2))
+    try:
+        got = tp.generate(PROMPTS[:3], requests)
+    finally:
+        tp.close()
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     check_valid(got, small, min_stopped=3)

@@ -15,7 +15,6 @@ import torch
 
 from factories import PROMPTS, make_adapter, model_config
 from lora_fixtures import PeftOracle
-from serve_fixtures import local_ray   # loopback-only Ray, even when Ray was imported first
 from lora.adapter import LoRAWeights, model_spec_from_hf_config
 from workers import EngineConfig, LLMEngine, SamplingParams
 from workers.models.llama import LlamaForCausalLM
@@ -34,12 +33,6 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 SHARDED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "embed_tokens", "lm_head")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def ray_session():
-    with local_ray(num_cpus=4, prefix="lstp"):
-        yield
-
-
 def make_engine(path, adapters, **kwargs) -> LLMEngine:
     engine = LLMEngine(EngineConfig(model=str(path), device="cpu", dtype="float32", max_lora_rank=16,
                                     max_model_len=256, **kwargs))
@@ -53,7 +46,7 @@ def generate(engine, requests=REQUESTS, params=GREEDY):
 
 
 @pytest.fixture(scope="module", params=list(ARCHS))
-def setup(request, model_dir, tmp_path_factory):
+def setup(request, model_dir, tmp_path_factory, shared_ray):
     """(path, adapters, TP=1 in-process outputs, resident bytes of TP=1) per architecture."""
     arch, overrides = ARCHS[request.param]
     path = model_dir(arch, **overrides)
