@@ -143,25 +143,23 @@ def test_batched_error_after_what_came_before_and_early_close_closes_source():
     assert closed == [True]   # the source (a request's stream) was closed, so its request is aborted
 
 
-def test_end_to_end_stream_crosses_ray_in_fewer_items_than_events(model_dir):
+def test_end_to_end_stream_crosses_ray_in_fewer_items_than_events(model_dir, shared_serve):
     """Through Serve: 4 choices of one prompt, 6 tokens each, arrive as fewer items than events (the
     choices' tokens of one step travel together), and the events are those of a full response."""
     from ray import serve
 
     from deployments.app import build_app
-    from serve_fixtures import local_serve
 
-    with local_serve(num_cpus=2):
-        serve.run(build_app(dict(model=str(model_dir("qwen3")), served_model_name="t", device="cpu",
-                                 max_model_len=128, num_replicas=1, stream_batch_interval_ms=20)),
-                  name="render", route_prefix="/render")
-        handle = serve.get_deployment_handle("LLMServer", app_name="render").options(stream=True)
-        spec = RenderSpec(chat=False, model="t", include_usage=True, logprobs=True)   # an event per token
-        params = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
-        items = list(handle.render_stream.remote([5, 6, 7, 8], params, spec, n=4))
-        replica_id, first = items[0]
-        text = first + "".join(items[1:])
-        got = events(text)
-        assert replica_id and got[-1] == "[DONE]" and got[-2]["usage"]["completion_tokens"] == 24
-        assert len(got) == 24 + 2 and sorted({e["choices"][0]["index"] for e in got[:-2]}) == [0, 1, 2, 3]
-        assert len(items) < len(got) - 2, (len(items), len(got))
+    serve.run(build_app(dict(model=str(model_dir("qwen3")), served_model_name="t", device="cpu",
+                             max_model_len=128, num_replicas=1, stream_batch_interval_ms=20)),
+              name="render", route_prefix="/render")
+    handle = serve.get_deployment_handle("LLMServer", app_name="render").options(stream=True)
+    spec = RenderSpec(chat=False, model="t", include_usage=True, logprobs=True)   # an event per token
+    params = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+    items = list(handle.render_stream.remote([5, 6, 7, 8], params, spec, n=4))
+    replica_id, first = items[0]
+    text = first + "".join(items[1:])
+    got = events(text)
+    assert replica_id and got[-1] == "[DONE]" and got[-2]["usage"]["completion_tokens"] == 24
+    assert len(got) == 24 + 2 and sorted({e["choices"][0]["index"] for e in got[:-2]}) == [0, 1, 2, 3]
+    assert len(items) < len(got) - 2, (len(items), len(got))
