@@ -3,11 +3,12 @@
     .venv/bin/python -m benchmarks.moe [--dtype bfloat16] [--sizes '{"rounds": 3}']
     .venv/bin/python -m benchmarks.moe --shape '{"hidden_size": 1024, ...}' --no-peft   (another shape, ours only)
 
-The checkpoint has Qwen3-30B-A3B's shape scaled down to fit here: top-8 routing over 64 experts (128
-halved), its expert-to-hidden ratio (768 / 2048 = 0.375: hidden 512, expert intermediate 192), its
-attention ratios (q heads x head_dim = 2 x hidden, 8 q heads per kv head), every layer sparse, 4
-layers. Adapters: rank 16 on q/k/v/o and on every expert's gate/up/down (PEFT 0.21 target_parameters,
-made by PEFT itself so that PEFT loads them back). Workloads (greedy, ignore_eos, one wave of `batch`
+The checkpoint has Qwen3-30B-A3B's shape scaled down to fit here: top-8 routing over its 128 experts,
+its expert-to-hidden ratio (768 / 2048 = 0.375: hidden 1024, expert intermediate 384), its attention
+ratios (q heads x head_dim = 2 x hidden, 8 q heads per kv head), every layer sparse, 3 layers (hidden
+halved rather than quartered: at rank 16 a scaled shape inflates LoRA's share of the bytes by 2048 / H,
+results/moe.md). Adapters: rank 16 on q/k/v/o and on every expert's gate/up/down (PEFT 0.21
+target_parameters, made by PEFT itself so that PEFT loads them back). Workloads (greedy, ignore_eos, one wave of `batch`
 requests, equal prompt lengths): base only, and 8 adapters uniformly mixed. Rounds alternate the runs
 (order rotated) and every ratio is taken within one round; medians over rounds are reported, per wall
 second and (ours) per CPU second of the process: with one thread on a machine shared with other jobs,
@@ -28,16 +29,16 @@ from benchmarks.common import (FULL, Sizes, bench_main, machine_info, make_promp
 
 @dataclass(frozen=True)
 class MoeShape:
-    hidden_size: int = 512
-    moe_intermediate_size: int = 192
-    num_experts: int = 64
+    hidden_size: int = 1024
+    moe_intermediate_size: int = 384
+    num_experts: int = 128
     num_experts_per_tok: int = 8
     num_attention_heads: int = 16
     num_key_value_heads: int = 2
-    head_dim: int = 64
-    num_hidden_layers: int = 4
+    head_dim: int = 128
+    num_hidden_layers: int = 3
     vocab_size: int = 8192
-    intermediate_size: int = 1536      # dense layers (none here: every layer is sparse, as in Qwen3-30B-A3B)
+    intermediate_size: int = 3072     # dense layers (none here: every layer is sparse, as in Qwen3-30B-A3B)
     max_position_embeddings: int = 4096
 
     @property
