@@ -169,6 +169,19 @@ def vllm_server(model: Path, dtype: str, sizes: Sizes, paths: list[Path], port: 
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 
+def wait_healthy(server: subprocess.Popen, url: str, timeout: float = 900) -> None:
+    """Until vLLM's server at `url` answers /health; fails if it exits or `timeout` passes first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/health", timeout=5)
+            return
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("vLLM's server did not come up") from None
+            time.sleep(2)
+
+
 def serving(sizes: Sizes, dtype: str, log=print) -> dict:
     import asyncio
 
@@ -182,15 +195,7 @@ def serving(sizes: Sizes, dtype: str, log=print) -> dict:
     server = vllm_server(model, dtype, sizes, paths, port, load.input_range[1] + load.output_range[1] + 16, log)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 900
-        while True:
-            try:
-                urllib.request.urlopen(f"{url}/health", timeout=5)
-                break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("vLLM's server did not come up") from None
-                time.sleep(2)
+        wait_healthy(server, url)
         requests = ours.make_requests(load, sizes.shape.vocab_size)
         naming = lambda adapter: "bench" if adapter is None else adapter_name(adapter)  # noqa: E731
         asyncio.run(ours.drive(url, ours.warm_requests(load, sizes), naming))

@@ -14,13 +14,11 @@ import asyncio
 import json
 import os
 import signal
-import time
-import urllib.request
 from dataclasses import replace
 
 from benchmarks.checkpoint import build_adapters, build_checkpoint
 from benchmarks.common import FULL, RESULTS, machine_info, median, write_result
-from benchmarks.peer_vllm import vllm_server
+from benchmarks.peer_vllm import vllm_server, wait_healthy
 from benchmarks.serving import ServingLoad, drive, loads_at, make_requests, summarize, warm_requests
 from benchmarks.serving_path import ROOT, run_variant
 from benchmarks.throughput import adapter_name
@@ -35,15 +33,7 @@ def run_vllm(load: ServingLoad, rates: tuple[float, ...], dtype: str = "bfloat16
     server = vllm_server(model, dtype, sizes, paths, port, load.input_range[1] + load.output_range[1] + 16, log)
     url, out = f"http://127.0.0.1:{port}", {}
     try:
-        deadline = time.monotonic() + 900
-        while True:
-            try:
-                urllib.request.urlopen(f"{url}/health", timeout=5)
-                break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("vLLM's server did not come up") from None
-                time.sleep(2)
+        wait_healthy(server, url)
         naming = lambda adapter: "bench" if adapter is None else adapter_name(adapter)  # noqa: E731
         asyncio.run(drive(url, warm_requests(load, sizes), naming))
         for timed in loads_at(load, rates):

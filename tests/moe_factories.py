@@ -164,3 +164,23 @@ class MergedOracle:
                                   pad_token_id=0, output_logits=True, return_dict_in_generate=True)
         tokens = out.sequences[0, ids.shape[1]:].tolist()
         return tokens, [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.logits, tokens)]
+
+
+def expert_slot_pool(shape: tuple[int, int, int, int], ranks: tuple[int, ...], *, dtype=torch.float32,
+                     scale: float = 0.3, seed: int = 0):
+    """A SlotPool of the expert groups (E experts, hidden H, intermediate I, slot rank R = `shape`) with one
+    random expert adapter per slot, of the given ranks (below R: zero rows past theirs)."""
+    from lora.adapter import LoRAAdapter, LoRAWeights
+    from lora.slots import GroupShape, SlotPool
+
+    E, H, I, R = shape
+    groups = {"experts_gate_up": GroupShape(H, (I, I), (0,), E), "experts_down": GroupShape(I, (H,), (0,), E)}
+    pool = SlotPool(1, groups, len(ranks), R, dtype, "cpu")
+    gen = torch.Generator().manual_seed(seed)
+    for slot, rank in enumerate(ranks):
+        weights = {(0, m): LoRAWeights(torch.randn(E, rank, i, generator=gen) * scale,
+                                       torch.randn(E, o, rank, generator=gen) * scale, 1.5)
+                   for m, (i, o) in {"experts.gate_proj": (H, I), "experts.up_proj": (H, I),
+                                     "experts.down_proj": (I, H)}.items()}
+        pool.load(slot, LoRAAdapter(f"a{slot}", "src", rank, frozenset(m for _, m in weights), weights), slot)
+    return pool

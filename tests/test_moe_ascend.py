@@ -12,17 +12,16 @@ import torch
 
 import ascend_emulator as emulator
 from ascend_emulator import CALLS, CONVENTION, register_emulator
-from lora.adapter import LoRAAdapter, LoRAWeights
 from lora.backends import ascend
 from lora.backends.torch_native import TorchNativeBackend
 from lora.expert_layers import MoeExpertsLoRA, wrap_experts
-from lora.slots import GroupShape, SlotPool
-from moe_factories import moe_config
+from lora.slots import SlotPool
+from moe_factories import expert_slot_pool, moe_config
 from workers.forward_batch import ForwardBatch
 from workers.models.qwen3_moe import SparseMoeBlock
 from workers.parallel import TPGroup
 
-E, H, I, R, SLOTS = 8, 64, 32, 16, 3     # every copy a whole number of 32-byte blocks, R one the expand reduces
+E, H, I, R = 8, 64, 32, 16     # every copy a whole number of 32-byte blocks, R one the expand reduces
 DTYPE = torch.bfloat16
 
 
@@ -36,16 +35,8 @@ def kernels():
 
 
 def make_pool(seed: int = 0) -> SlotPool:
-    groups = {"experts_gate_up": GroupShape(H, (I, I), (0,), E), "experts_down": GroupShape(I, (H,), (0,), E)}
-    pool = SlotPool(1, groups, SLOTS, R, DTYPE, "cpu")
-    gen = torch.Generator().manual_seed(seed)
-    for slot, rank in enumerate((16, 8, 4)):   # adapters of lower rank than the slots: zero rows past theirs
-        weights = {(0, m): LoRAWeights(torch.randn(E, rank, i, generator=gen) * 0.2,
-                                       torch.randn(E, o, rank, generator=gen) * 0.2, 1.5)
-                   for m, (i, o) in {"experts.gate_proj": (H, I), "experts.up_proj": (H, I),
-                                     "experts.down_proj": (I, H)}.items()}
-        pool.load(slot, LoRAAdapter(f"a{slot}", "src", rank, frozenset(m for _, m in weights), weights), slot)
-    return pool
+    # adapters of lower rank than the slots: zero rows past theirs
+    return expert_slot_pool((E, H, I, R), (16, 8, 4), dtype=DTYPE, scale=0.2, seed=seed)
 
 
 def wrapped_block(block, pool, backend):

@@ -20,12 +20,11 @@ import torch
 
 from ascend_moe_emulator import TorchNpuMoeEmulator
 from factories import PROMPTS, engine_with_adapters
-from lora.adapter import LoRAAdapter, LoRAWeights
 from lora.backends.torch_native import TorchNativeBackend
 from lora.expert_layers import MoeExpertsLoRA, wrap_experts
-from lora.slots import GroupShape, SlotPool
-from moe_factories import MergedOracle, PerAdapterOracle, make_expert_adapter, make_moe_model, moe_config, \
-    write_per_expert_adapter
+from lora.slots import SlotPool
+from moe_factories import MergedOracle, PerAdapterOracle, expert_slot_pool, make_expert_adapter, make_moe_model, \
+    moe_config, write_per_expert_adapter
 from workers import SamplingParams, tape_graph
 from workers.forward_batch import ForwardBatch
 from workers.models import moe_kernels
@@ -42,16 +41,7 @@ REQUESTS = [(PROMPTS[i], NAMES[i % 3]) for i in range(6)]
 
 # ---- the block ---------------------------------------------------------------------------------------------------
 def make_pool() -> SlotPool:
-    groups = {"experts_gate_up": GroupShape(H, (I, I), (0,), E), "experts_down": GroupShape(I, (H,), (0,), E)}
-    pool = SlotPool(1, groups, 3, R, torch.float32, "cpu")
-    gen = torch.Generator().manual_seed(0)
-    for slot, rank in enumerate((8, 4, 2)):
-        weights = {(0, m): LoRAWeights(torch.randn(E, rank, i, generator=gen) * 0.3,
-                                       torch.randn(E, o, rank, generator=gen) * 0.3, 1.5)
-                   for m, (i, o) in {"experts.gate_proj": (H, I), "experts.up_proj": (H, I),
-                                     "experts.down_proj": (I, H)}.items()}
-        pool.load(slot, LoRAAdapter(f"a{slot}", "src", rank, frozenset(m for _, m in weights), weights), slot)
-    return pool
+    return expert_slot_pool((E, H, I, R), (8, 4, 2))
 
 
 def blocks(kernel):
