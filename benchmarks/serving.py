@@ -55,6 +55,16 @@ def make_requests(load: ServingLoad, vocab_size: int) -> list[dict]:
             for i in range(n)]
 
 
+def timed(result: dict, first: float | None, last: float | None, sent: float, start: float, missing: str) -> dict:
+    """A request's result: TTFT from when it was sent, TPOT over its streamed tokens; `missing` if none came."""
+    if first is None:
+        result["error"] = missing
+        return result
+    result.update(ok=True, ttft_s=first - sent, end_s=last - start,
+                  tpot_s=(last - first) / (result["tokens"] - 1) if result["tokens"] > 1 else None)
+    return result
+
+
 async def one_request(session, url: str, model: str, request: dict, start: float) -> dict:
     """Stream one completion; times measured from the request's scheduled arrival."""
     await asyncio.sleep(max(0.0, start + request["arrival"] - time.perf_counter()))
@@ -85,12 +95,7 @@ async def one_request(session, url: str, model: str, request: dict, start: float
     except Exception as exc:  # noqa: BLE001  (a failed request is counted, not raised)
         result["error"] = f"{type(exc).__name__}: {exc}"[:200]
         return result
-    if first is None:
-        result["error"] = "no tokens streamed"
-        return result
-    result.update(ok=True, ttft_s=first - sent, end_s=last - start,
-                  tpot_s=(last - first) / (result["tokens"] - 1) if result["tokens"] > 1 else None)
-    return result
+    return timed(result, first, last, sent, start, "no tokens streamed")
 
 
 def model_name(base_model: str, adapter: int | None) -> str:

@@ -17,7 +17,7 @@ from dataclasses import replace
 
 from benchmarks.checkpoint import build_adapters, build_checkpoint
 from benchmarks.common import FULL, Sizes, machine_info, sizes_dict
-from benchmarks.serving import ServingLoad, bench_config, loads_at, make_requests, summarize, warm_requests
+from benchmarks.serving import ServingLoad, bench_config, loads_at, make_requests, summarize, timed, warm_requests
 
 
 async def one_request(engine, request: dict, start: float, name: str | None) -> dict:
@@ -37,12 +37,7 @@ async def one_request(engine, request: dict, start: float, name: str | None) -> 
     except Exception as exc:  # noqa: BLE001  (a failed request is counted, not raised)
         result["error"] = f"{type(exc).__name__}: {exc}"[:200]
         return result
-    if first is None:
-        result["error"] = "no text generated"
-        return result
-    result.update(ok=True, ttft_s=first - sent, end_s=last - start,
-                  tpot_s=(last - first) / (result["tokens"] - 1) if result["tokens"] > 1 else None)
-    return result
+    return timed(result, first, last, sent, start, "no text generated")
 
 
 async def drive(engine, requests: list[dict], naming) -> tuple[list[dict], float]:
