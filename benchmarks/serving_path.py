@@ -2,10 +2,12 @@
 
     .venv/bin/python -m benchmarks.serving_path [--before 7f7b849] [--rounds 2] [--rates 2,8]
 
-Three variants, each a process of its own running both rates (benchmarks.serving's load, 8 adapters):
-the engine alone (benchmarks.serving_engine, this tree), HTTP through Serve (this tree) and HTTP
-through Serve at the `--before` revision (checked out as benchmarks.ab does; the same driver file
-runs with that tree first on the path, so only the served code differs). Rounds alternate the order.
+Four variants, each a process of its own running both rates (benchmarks.serving's load, 8 adapters):
+the engine alone (benchmarks.serving_engine, this tree), HTTP through Serve (this tree, with the Ray
+settings of workers/ray_utils.py SERVING_RAY_ENV), the same under Ray's defaults (workers at nice 15,
+Serve's default mode), and HTTP through Serve at the `--before` revision under Ray's defaults (checked
+out as benchmarks.ab does; the same driver file runs with that tree first on the path, so only the
+served code differs). Rounds alternate the order.
 Reported per round and as medians: HTTP TPOT p50 / engine TPOT p50, HTTP / engine output tokens/s,
 and CPU seconds per generated token of the ingress replica (also the LLM replica and the HTTP proxy),
 read from /proc of each Serve actor around the timed load. Writes results/serving_path.{json,md}.
@@ -26,12 +28,20 @@ from benchmarks.common import RESULTS, machine_info, median, write_result
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGETS = {"tpot_ratio": 1.10, "throughput_ratio": 0.95}
+# Ray's own defaults, as a cluster started without SERVING_RAY_ENV has them.
+RAY_DEFAULTS = {"RAY_worker_niceness": "15", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0",
+                "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0", "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1",
+                "RAY_SERVE_LOG_TO_STDERR": "1"}
+VARIANTS = ("engine", "http", "http_ray_defaults", "http_before")
+HTTP = VARIANTS[1:]
 
 
 def run_variant(variant: str, tree: Path, rates: str, requests: int, log) -> dict:
+    """One variant's process; every variant but `http` under Ray's defaults (the engine alone starts no Ray)."""
     out = Path(tempfile.mkstemp(prefix="serving-path-", suffix=".json")[1])
     script = ROOT / "benchmarks" / ("serving_engine.py" if variant == "engine" else "serving.py")
-    env = dict(os.environ, PYTHONPATH=str(tree), LORASERVE_BENCH_CACHE=str(cache_root()))
+    env = dict(os.environ, PYTHONPATH=str(tree), LORASERVE_BENCH_CACHE=str(cache_root()),
+               **({} if variant == "http" else RAY_DEFAULTS))
     cmd = [sys.executable, str(script), "--rates", rates, "--adapters", "8", "--requests", str(requests),
            "--out", str(out)]
     done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=1800)
@@ -44,14 +54,15 @@ def run_variant(variant: str, tree: Path, rates: str, requests: int, log) -> dic
 
 
 def ratios(got: dict, rate: float) -> dict:
-    engine, http, before = (got[v][rate]["summary"] for v in ("engine", "http", "http_before"))
-    cpu = {v: got[v][rate]["cpu_s_per_token"] for v in ("http", "http_before")}
-    return {"tpot_http_over_engine": http["tpot_ms"]["p50"] / engine["tpot_ms"]["p50"],
-            "tpot_before_over_engine": before["tpot_ms"]["p50"] / engine["tpot_ms"]["p50"],
-            "tok_s_http_over_engine": http["output_tok_s"] / engine["output_tok_s"],
-            "tok_s_before_over_engine": before["output_tok_s"] / engine["output_tok_s"],
-            **{f"{role}_cpu_s_per_token": {"before": cpu["http_before"].get(role), "after": cpu["http"].get(role)}
-               for role in ("ingress", "llm_replica", "proxy")}}
+    engine = got["engine"][rate]["summary"]
+    out = {}
+    for v in HTTP:
+        summary = got[v][rate]["summary"]
+        out[f"tpot_{v}_over_engine"] = summary["tpot_ms"]["p50"] / engine["tpot_ms"]["p50"]
+        out[f"tok_s_{v}_over_engine"] = summary["output_tok_s"] / engine["output_tok_s"]
+        for role in ("ingress", "llm_replica", "proxy"):
+            out[f"{role}_cpu_s_per_token_{v}"] = got[v][rate]["cpu_s_per_token"].get(role)
+    return out
 
 
 def main(argv=None) -> dict:
@@ -61,11 +72,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--rates", default="2,8")
     parser.add_argument("--requests", type=int, default=60, help="per rate (the issue's load: 60)")
     args = parser.parse_args(argv)
-    trees = {"engine": ROOT, "http": ROOT, "http_before": checkout(args.before)}
+    trees = {"engine": ROOT, "http": ROOT, "http_ray_defaults": ROOT, "http_before": checkout(args.before)}
     rates = [float(r) for r in args.rates.split(",")]
     rounds = []
     for i in range(args.rounds):
-        order = ("engine", "http", "http_before") if i % 2 == 0 else ("http_before", "http", "engine")
+        order = VARIANTS if i % 2 == 0 else VARIANTS[::-1]
         got = {v: run_variant(v, trees[v], args.rates, args.requests, print) for v in order}
         rounds.append({"order": order, "results": got, "ratios": {rate: ratios(got, rate) for rate in rates}})
         print(json.dumps(rounds[-1]["ratios"], indent=1), flush=True)
@@ -79,20 +90,9 @@ def main(argv=None) -> dict:
 
 
 def medians(rounds: list[dict], rate: float) -> dict:
-    def pick(path):
-        values = []
-        for r in rounds:
-            value = r["ratios"][rate]
-            for key in path:
-                value = value[key]
-            values.append(value)
-        return median([v for v in values if v is not None])
-
-    out = {key: pick([key]) for key in ("tpot_http_over_engine", "tpot_before_over_engine",
-                                        "tok_s_http_over_engine", "tok_s_before_over_engine")}
-    for key in ("ingress", "llm_replica", "proxy"):
-        out[f"{key}_cpu_s_per_token"] = {side: pick([f"{key}_cpu_s_per_token", side]) for side in ("before", "after")}
-    for variant in ("engine", "http", "http_before"):
+    keys = rounds[0]["ratios"][rate]
+    out = {key: median([v for v in (r["ratios"][rate][key] for r in rounds) if v is not None]) for key in keys}
+    for variant in VARIANTS:
         summaries = [r["results"][variant][rate]["summary"] for r in rounds]
         out[variant] = {"tpot_p50_ms": median([s["tpot_ms"]["p50"] for s in summaries]),
                         "ttft_p99_ms": median([s["ttft_ms"]["p99"] for s in summaries]),
@@ -106,24 +106,29 @@ def section(data: dict) -> str:
     lines = ["### The serving path: HTTP through Serve against the engine alone", "",
              f"benchmarks/serving_path.py: {len(data['rounds'])} rounds, variants alternated in each; "
              f"{data['num_requests']} streamed requests per rate, Poisson arrivals, 8 adapters, bench checkpoint "
-             f"bf16, the settings of benchmarks/common.py. Before = {data['before']}. Medians over rounds.", "",
-             "| rate | engine TPOT p50 | HTTP TPOT p50 (after / before) | HTTP / engine TPOT (after / before; "
-             f"target <= {TARGETS['tpot_ratio']}) | TTFT p99 engine / after / before | out tok/s engine / after / "
-             f"before | HTTP / engine tok/s (after / before) |", "|---|---|---|---|---|---|---|"]
+             f"bf16, the settings of benchmarks/common.py. HTTP = this tree with the Ray settings (README \"Ray "
+             f"settings\"); Ray defaults = this tree without them; before = {data['before']} without them. "
+             "Medians over rounds.", "",
+             "| rate | engine TPOT p50 | HTTP TPOT p50 (HTTP / Ray defaults / before) | HTTP / engine TPOT (target "
+             f"<= {TARGETS['tpot_ratio']}) | TTFT p99 engine / HTTP / Ray defaults / before | out tok/s engine / "
+             f"HTTP / Ray defaults / before | HTTP / engine tok/s (target >= {TARGETS['throughput_ratio']}) |",
+             "|---|---|---|---|---|---|---|"]
     for rate in data["rates"]:
         m = data["median"][rate]
-        e, a, b = m["engine"], m["http"], m["http_before"]
-        lines.append(f"| {rate:g} req/s | {e['tpot_p50_ms']:.1f} ms | {a['tpot_p50_ms']:.1f} / {b['tpot_p50_ms']:.1f} "
-                     f"ms | **{m['tpot_http_over_engine']:.2f}** / {m['tpot_before_over_engine']:.2f} | "
-                     f"{e['ttft_p99_ms']:.0f} / {a['ttft_p99_ms']:.0f} / {b['ttft_p99_ms']:.0f} ms | "
-                     f"{e['output_tok_s']:.1f} / {a['output_tok_s']:.1f} / {b['output_tok_s']:.1f} | "
-                     f"**{m['tok_s_http_over_engine']:.2f}** / {m['tok_s_before_over_engine']:.2f} |")
-    lines += ["", "CPU milliseconds per generated token (process CPU of each Serve actor during the timed load):", "",
-              "| rate | ingress before / after | LLM replica before / after | HTTP proxy before / after |",
-              "|---|---|---|---|"]
+        e = m["engine"]
+        tpot = " / ".join(f"{m[v]['tpot_p50_ms']:.1f}" for v in HTTP)
+        tpot_ratio = " / ".join(f"{m[f'tpot_{v}_over_engine']:.2f}" for v in HTTP)
+        ttft = " / ".join(f"{m[v]['ttft_p99_ms']:.0f}" for v in VARIANTS)
+        tok = " / ".join(f"{m[v]['output_tok_s']:.1f}" for v in VARIANTS)
+        tok_ratio = " / ".join(f"{m[f'tok_s_{v}_over_engine']:.2f}" for v in HTTP)
+        lines.append(f"| {rate:g} req/s | {e['tpot_p50_ms']:.1f} ms | {tpot} ms | **{tpot_ratio}** | {ttft} ms | "
+                     f"{tok} | **{tok_ratio}** |")
+    lines += ["", "CPU milliseconds per generated token (process CPU of each Serve actor during the timed load; "
+              "HTTP / Ray defaults / before):", "",
+              "| rate | ingress | LLM replica | HTTP proxy |", "|---|---|---|---|"]
     for rate in data["rates"]:
         m = data["median"][rate]
-        cells = [f"{1e3 * m[f'{k}_cpu_s_per_token']['before']:.2f} / {1e3 * m[f'{k}_cpu_s_per_token']['after']:.2f}"
+        cells = [" / ".join(f"{1e3 * m[f'{k}_cpu_s_per_token_{v}']:.2f}" for v in HTTP)
                  for k in ("ingress", "llm_replica", "proxy")]
         lines.append(f"| {rate:g} req/s | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -41,14 +41,17 @@ async def batched(source: AsyncIterator[str], window_s: float) -> AsyncIterator[
             if not first and not ended:   # gather the rest of this window
                 await asyncio.sleep(window_s)
             ready.clear()
+            # Whether the source had ended, read before taking `pending` (it appends its items before it
+            # ends): items it adds while this generator is suspended at the yield are sent next round.
+            finished = list(ended)
             joined, count = "".join(pending), len(pending)
             pending.clear()
             if count and (joined or first):
                 yield joined
                 first = False
-            if ended:
-                if ended[0] is not None:
-                    raise ended[0]
+            if finished:
+                if finished[0] is not None:
+                    raise finished[0]
                 return
     finally:   # the reader's cancellation reaches inside `source`: its generators close
         reader.cancel()

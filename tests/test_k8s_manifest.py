@@ -15,6 +15,7 @@ import yaml
 
 from deployments.config import LLMConfig
 from lora.backends import ascend
+from workers.ray_utils import SERVING_RAY_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 ASCEND_DEVICE = "huawei.com/Ascend910"   # Ascend's device plugin; HAMi: huawei.com/Ascend910B, ...Ascend910B3
@@ -134,6 +135,17 @@ def test_the_head_does_not_autoload_torch_npu(manifest):
     assert {"name": "TORCH_DEVICE_BACKEND_AUTOLOAD", "value": "0"} in head["env"]
     worker = containers(manifest)["ray-worker"][0]   # the workers hold NPUs: torch_npu is theirs to load
     assert "TORCH_DEVICE_BACKEND_AUTOLOAD" not in {e["name"] for e in worker.get("env", [])}
+
+
+def test_every_ray_node_starts_with_the_serving_ray_settings(manifest):
+    """workers/ray_utils.py SERVING_RAY_ENV: replicas at nice 0, Serve's throughput mode through the proxy."""
+    for name, (container, _) in containers(manifest).items():
+        env = {e["name"]: e["value"] for e in container.get("env", [])}
+        assert env.items() >= SERVING_RAY_ENV.items(), name
+    config = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    for start in (config["head_start_ray_commands"][-1], config["worker_start_ray_commands"][-1]):
+        exports = start.split("ray start")[0]
+        assert all(f"{key}={value}" in exports.split() for key, value in SERVING_RAY_ENV.items()), start
 
 
 def test_the_npu_resource_name_is_the_documented_device_plugin_value(manifest):

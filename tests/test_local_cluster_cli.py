@@ -18,7 +18,7 @@ import yaml
 
 from ray_clusters import listening_addresses, local_env, processes_of, stop_processes_of
 from serve_fixtures import wait_until
-from workers.ray_utils import free_port
+from workers.ray_utils import SERVING_RAY_ENV, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 README_TEMP_DIR = "/tmp/loraserve-ray"
@@ -34,8 +34,9 @@ def readme_commands() -> list[str]:
 
 
 def test_the_readme_has_the_four_steps_on_loopback_and_no_default_port():
-    export, start, deploy, status, curl = readme_commands()
-    assert export.startswith("export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_AUTH_MODE=disabled")
+    *exports, start, deploy, status, curl = readme_commands()
+    assert exports[0].startswith("export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_AUTH_MODE=disabled")
+    assert all(f"{key}={value}" in " ".join(exports).split() for key, value in SERVING_RAY_ENV.items())
     assert start.startswith(".venv/bin/ray start --head --node-ip-address=127.0.0.1")
     assert "--dashboard-host=127.0.0.1" in start and f"--temp-dir={README_TEMP_DIR}" in start
     assert deploy.startswith(".venv/bin/serve deploy serve_config.yaml --address http://127.0.0.1:")
@@ -72,7 +73,8 @@ def test_readme_commands_deploy_serve_config_and_report_it_running(workspace):
         command = command.replace(README_TEMP_DIR, temp_dir).replace(".venv/bin/", f"{Path(sys.executable).parent}/")
         return command.replace("serve_config.yaml", str(config_path))
 
-    export, start, deploy, status, curl = (ours(c) for c in commands)
+    *exports, start, deploy, status, curl = (ours(c) for c in commands)
+    export = "\n".join(exports)
     # the demo model: generated once per test session (shared with other modules), never into the checkout
     env = local_env(LORASERVE_CACHE=str(demo_cache))
 

@@ -130,6 +130,17 @@ def test_batched_first_alone_then_joined_per_window():
     assert "".join(got) == "abcdef" and len(got) < 6
 
 
+def test_batched_keeps_what_arrives_and_ends_while_the_caller_holds_an_item():
+    # the caller takes its time with "a"; meanwhile the source yields "b" and ends: "b" still comes
+    async def run():
+        out = []
+        async for value in batched(_source(["a", "b"], [0, 0.01]), window_s=0.0):
+            out.append(value)
+            await asyncio.sleep(0.05)
+        return out
+    assert "".join(asyncio.run(run())) == "ab"
+
+
 def test_batched_error_after_what_came_before_and_early_close_closes_source():
     async def run():
         seen = []

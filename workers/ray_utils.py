@@ -17,8 +17,21 @@ from workers.device import Platform
 LOOPBACK = "127.0.0.1"
 # Set before `import ray` / ray.init: bind every Ray process to loopback, no token auth for local runs,
 # and no usage-stats report leaving the machine.
+# The serving knobs come with them, inherited by every Ray process of a cluster started with this environment
+# (the raylet, then Serve's controller, proxy and replicas); README "Ray settings" gives them for `ray start`:
+# - worker niceness 0: Ray starts workers at nice 15 so that its daemons win the CPU, but here a worker is the
+#   replica doing the inference, and at 15 any nice-0 process on the node (a client, a log shipper) preempts it;
+# - Serve's throughput-optimized mode (user code on the replica's own event loop, no per-item hop between
+#   threads or loops, gRPC between proxy, ingress and replica, buffered access logs), with its direct ingress
+#   left off so that the HTTP proxy keeps serving the configured host and port, and its logging left as in
+#   Serve's default mode: a line is written when it is logged (the mode would hold 1000 lines in memory,
+#   so a quiet replica's warnings would not show, and a crash would lose them), also to stderr.
+# benchmarks/results/serving_path.md has what they are worth.
+SERVING_RAY_ENV = {"RAY_worker_niceness": "0", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+                   "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0", "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1",
+                   "RAY_SERVE_LOG_TO_STDERR": "1"}
 LOCAL_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
-                 "RAY_USAGE_STATS_ENABLED": "0"}
+                 "RAY_USAGE_STATS_ENABLED": "0", **SERVING_RAY_ENV}
 
 
 def worker_bundles(platform: Platform, tp_size: int) -> list[dict[str, float]]:
@@ -93,7 +106,10 @@ def init_local_ray(temp_dir: str, num_cpus: int = 2, resources: dict[str, float]
     so an engine inside Serve never creates a second cluster by accident.
     """
     for key, value in LOCAL_RAY_ENV.items():
-        os.environ[key] = value
+        if key in SERVING_RAY_ENV:
+            os.environ.setdefault(key, value)   # a setting the operator exported wins (benchmarks compare them)
+        else:
+            os.environ[key] = value
     import ray
     import ray._private.ray_constants as ray_constants
 
