@@ -1,0 +1,72 @@
+"""The engine's side of each int8 rounding tie, recorded and taken by the W8A8 reference (w8a8_reference.py).
+
+Why: rounding an activation to int8 is discontinuous at x / scale = k + 0.5. The engine and transformers
+compute the float parts between the quantized linears (attention: SDPA over [H, T, D] and the C decode
+kernel against transformers' SDPA; LoRA: each backend against PEFT; RMSNorm inputs, residuals) with last-bit
+differences: |d(x / scale)| up to 6e-5 at every quantization input, qwen3 cpu and torch_native alike. An
+element that lies closer than that to a tie rounds the other way: about one such element per 14-request run
+(sum of |d(x / scale)| over a run's quantization inputs: 1.17 cpu, 0.94 torch_native, 60 % of it at o_proj
+inputs, i.e. downstream of attention), each moving its request's later logprobs by 1e-2 to 3e-2 on the tiny
+random models. Aligning the two computations bit for bit would mean replacing the engine's attention.
+
+So the reference takes the engine's rounding where the two cannot be told apart: an element whose reference
+x / scale lies within TIE of k + 0.5, in a row that the engine also quantized, to the same int8 values at
+every element farther from a tie. Everything else (scales, every other element, the matmul, and the engine's
+matmuls bit for bit on their own inputs: w8a8_reference.exact_w8a8_calls) stays the reference's own.
+"""
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from workers.quant.w8a8_linear import CHECKPOINT_MODULES, W8A8Linear
+
+TIE = 1e-3   # 16x the largest |d(x / scale)| measured; a wrong scale or shard moves x / scale by far more
+QLINEAR = torch.ops.onednn.qlinear_pointwise
+# a checkpoint module under a decoder layer -> our fused module that quantizes its input
+FUSED = {module: fused for fused, modules in CHECKPOINT_MODULES.items() for module in modules}
+
+
+class EngineRounding(TorchDispatchMode):
+    """Records the int8 activations of every W8A8 matmul of `model` (cpu kernel; TP 1) by layer, eager and
+    replayed alike: each is one onednn.qlinear_pointwise call, whose weight names the layer."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.layers = {id(m.packed[0]): m.name for m in model.modules() if isinstance(m, W8A8Linear)}
+        self.rows: dict[str, list[torch.Tensor]] = defaultdict(list)
+        self.tables: dict[str, torch.Tensor] = {}
+        self.adopted: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket is QLINEAR and id(args[3]) in self.layers:
+            self.rows[self.layers[id(args[3])]].append(args[0].clone())
+        return out
+
+    def site(self, key: str) -> str:
+        """The engine's layer that quantizes the input of checkpoint module `key` (model.layers.i.mlp.up_proj)."""
+        index, _, module = key.removeprefix("model.layers.").partition(".")
+        return f"layers.{index}.{FUSED[module]}"
+
+    def adopt(self, site: str, v: torch.Tensor, xq: torch.Tensor) -> torch.Tensor:
+        """xq [T, K] (the reference's round(v), v = x / scale) with the engine's choice at its ties."""
+        near = (v - v.floor() - 0.5).abs() < TIE
+        if not near.any():
+            return xq
+        if site not in self.tables:
+            self.tables[site] = torch.cat(self.rows[site]).float()
+        engine = self.tables[site]
+        for t in near.any(-1).nonzero().flatten().tolist():
+            differ = engine != xq[t]
+            same = ~(differ & ~near[t]).any(-1)     # engine rows equal to this one off its ties
+            if same.any():
+                candidates = same.nonzero().flatten()
+                best = engine[candidates[differ[candidates].sum(-1).argmin()]]
+                taken = near[t] & (best != xq[t])
+                xq[t, taken] = best[taken]
+                self.adopted[site] += int(taken.sum())
+        return xq
