@@ -16,8 +16,11 @@ matmuls bit for bit on their own inputs: w8a8_reference.exact_w8a8_calls) stays 
 """
 from __future__ import annotations
 
+import contextlib
+import sys
 from collections import Counter, defaultdict
 
+import ray
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -25,40 +28,55 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from workers.quant.w8a8_linear import CHECKPOINT_MODULES, W8A8Linear
 
 TIE = 1e-3   # 16x the largest |d(x / scale)| measured; a wrong scale or shard moves x / scale by far more
-QLINEAR = torch.ops.onednn.qlinear_pointwise
+QLINEAR = "onednn::qlinear_pointwise"   # the cpu kernel's int8 GEMM (a name: this module travels by value)
+ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
 # a checkpoint module under a decoder layer -> our fused module that quantizes its input
 FUSED = {module: fused for fused, modules in CHECKPOINT_MODULES.items() for module in modules}
 
 
 class EngineRounding(TorchDispatchMode):
-    """Records the int8 activations of every W8A8 matmul of `model` (cpu kernel; TP 1) by layer, eager and
-    replayed alike: each is one onednn.qlinear_pointwise call, whose weight names the layer."""
+    """Records the int8 activations of every W8A8 matmul of one rank's `model` (cpu kernel) by layer, eager
+    and replayed alike: each is one onednn.qlinear_pointwise call, whose weight names the layer."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
         self.layers = {id(m.packed[0]): m.name for m in model.modules() if isinstance(m, W8A8Linear)}
         self.rows: dict[str, list[torch.Tensor]] = defaultdict(list)
-        self.tables: dict[str, torch.Tensor] = {}
-        self.adopted: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func.overloadpacket is QLINEAR and id(args[3]) in self.layers:
+        if func._schema.name == QLINEAR and id(args[3]) in self.layers:
             self.rows[self.layers[id(args[3])]].append(args[0].clone())
         return out
 
-    def site(self, key: str) -> str:
-        """The engine's layer that quantizes the input of checkpoint module `key` (model.layers.i.mlp.up_proj)."""
+
+class Ties:
+    """The engine's int8 rows of one run by layer and rank ("layers.0.mlp.down_proj@1"), and the reference's
+    side of the bargain: `adopt`."""
+
+    def __init__(self):
+        self.tables: dict[str, torch.Tensor] = {}
+        self.adopted: Counter[str] = Counter()
+
+    def add(self, rank: int, rows: dict[str, list[torch.Tensor]]) -> None:
+        self.tables.update({f"{name}@{rank}": torch.cat(r).float() for name, r in rows.items()})
+
+    def site(self, key: str, shard: int = 0) -> str:
+        """The engine's layer (and rank) that quantizes shard `shard` of checkpoint module `key`'s input
+        (model.layers.i.mlp.up_proj): a row-parallel layer's shard s on rank s, any other on rank 0."""
         index, _, module = key.removeprefix("model.layers.").partition(".")
-        return f"layers.{index}.{FUSED[module]}"
+        fused = FUSED[module]
+        return f"layers.{index}.{fused}@{shard if fused in ROW_PARALLEL else 0}"
+
+    def rare(self) -> bool:
+        """Whether fewer than one in 10^4 of the engine's int8 activations were taken (a run takes 0-3)."""
+        return sum(self.adopted.values()) * 10_000 < sum(t.numel() for t in self.tables.values())
 
     def adopt(self, site: str, v: torch.Tensor, xq: torch.Tensor) -> torch.Tensor:
         """xq [T, K] (the reference's round(v), v = x / scale) with the engine's choice at its ties."""
         near = (v - v.floor() - 0.5).abs() < TIE
         if not near.any():
             return xq
-        if site not in self.tables:
-            self.tables[site] = torch.cat(self.rows[site]).float()
         engine = self.tables[site]
         for t in near.any(-1).nonzero().flatten().tolist():
             differ = engine != xq[t]
@@ -70,3 +88,33 @@ class EngineRounding(TorchDispatchMode):
                 xq[t, taken] = best[taken]
                 self.adopted[site] += int(taken.sum())
         return xq
+
+
+def _record(actor) -> None:
+    """On a rank's Ray actor: run each step under an EngineRounding."""
+    recorder = EngineRounding(actor.worker.runner.model)
+    execute = actor.worker.execute
+
+    def recorded(plan):
+        with recorder:
+            return execute(plan)
+    actor.worker.execute, actor.w8a8_rounding = recorded, recorder
+
+
+@contextlib.contextmanager
+def engine_rounding(engine):
+    """Yields a Ties, filled when the block ends with what every rank of `engine` quantized inside it (an
+    in-process worker, or Ray actors reached by __ray_call__: this module travels by value)."""
+    ties = Ties()
+    ranks = getattr(engine.executor, "workers", None)
+    if ranks is None:
+        with EngineRounding(engine.executor.runner.model) as recorder:
+            yield ties
+        ties.add(0, recorder.rows)
+        return
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    ray.get([rank.__ray_call__.remote(_record) for rank in ranks])
+    yield ties
+    rows = ray.get([rank.__ray_call__.remote(lambda actor: dict(actor.w8a8_rounding.rows)) for rank in ranks])
+    for rank, r in enumerate(rows):
+        ties.add(rank, r)
