@@ -1,18 +1,25 @@
 """The engine's side of each int8 rounding tie, recorded and taken by the W8A8 reference (w8a8_reference.py).
 
 Why: rounding an activation to int8 is discontinuous at x / scale = k + 0.5. The engine and transformers
-compute the float parts between the quantized linears (attention: SDPA over [H, T, D] and the C decode
-kernel against transformers' SDPA; LoRA: each backend against PEFT; RMSNorm inputs, residuals) with last-bit
-differences: |d(x / scale)| up to 6e-5 at every quantization input, qwen3 cpu and torch_native alike. An
-element that lies closer than that to a tie rounds the other way: about one such element per 14-request run
-(sum of |d(x / scale)| over a run's quantization inputs: 1.17 cpu, 0.94 torch_native, 60 % of it at o_proj
-inputs, i.e. downstream of attention), each moving its request's later logprobs by 1e-2 to 3e-2 on the tiny
-random models. Aligning the two computations bit for bit would mean replacing the engine's attention.
+compute the float parts between the quantized linears with last-bit differences: attention first (the
+engine's SDPA over [H, T, D] with enable_gqa differs from transformers' SDPA in 4017 of 4864 outputs on the
+same q, k, v; decode runs the engine's C kernel), then LoRA (each backend against PEFT), residuals and
+norms downstream; rope and the first layer's quantized input are bit-identical. So |d(x / scale)| is up to
+6e-5 at every later quantization input, on every LoRA backend, and an element closer than that to a tie
+rounds the other way: sum |d(x / scale)| over a 14-request run (the expected number of such flips), qwen3:
+1.17 cpu, 0.94 torch_native, 60 % of it at o_proj inputs (attention outputs). One flip moves its request's
+later logprobs by 1e-2 to 3e-2 on these tiny random models (qwen3 torch_native, the rslora request: prefill
+token 36, layer 1 qkv input, element 47: x / scale -6.5000086 in the reference, -6.4999986 in the engine).
+A run without a flip is luck (e^-1.17 for cpu): changing only the order of the reference's two scale
+multiplies moved llama / cpu from none to one. Aligning every float op bit for bit would mean replacing the
+engine's attention kernels.
 
 So the reference takes the engine's rounding where the two cannot be told apart: an element whose reference
 x / scale lies within TIE of k + 0.5, in a row that the engine also quantized, to the same int8 values at
 every element farther from a tie. Everything else (scales, every other element, the matmul, and the engine's
 matmuls bit for bit on their own inputs: w8a8_reference.exact_w8a8_calls) stays the reference's own.
+Measured: 0-3 elements taken per run; an activation scale 0.8 % off (max|x| / 126) takes none and still
+fails 5 of 14 requests' tokens.
 """
 from __future__ import annotations
 
@@ -20,16 +27,15 @@ import contextlib
 import sys
 from collections import Counter, defaultdict
 
-import ray
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from w8a8_reference import ROW_PARALLEL
 from workers.quant.w8a8_linear import CHECKPOINT_MODULES, W8A8Linear
 
 TIE = 1e-3   # 16x the largest |d(x / scale)| measured; a wrong scale or shard moves x / scale by far more
 QLINEAR = "onednn::qlinear_pointwise"   # the cpu kernel's int8 GEMM (a name: this module travels by value)
-ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
 # a checkpoint module under a decoder layer -> our fused module that quantizes its input
 FUSED = {module: fused for fused, modules in CHECKPOINT_MODULES.items() for module in modules}
 
@@ -66,7 +72,7 @@ class Ties:
         (model.layers.i.mlp.up_proj): a row-parallel layer's shard s on rank s, any other on rank 0."""
         index, _, module = key.removeprefix("model.layers.").partition(".")
         fused = FUSED[module]
-        return f"layers.{index}.{fused}@{shard if fused in ROW_PARALLEL else 0}"
+        return f"layers.{index}.{fused}@{shard if fused.endswith(ROW_PARALLEL) else 0}"
 
     def rare(self) -> bool:
         """Whether fewer than one in 10^4 of the engine's int8 activations were taken (a run takes 0-3)."""
@@ -112,6 +118,7 @@ def engine_rounding(engine):
             yield ties
         ties.add(0, recorder.rows)
         return
+    import ray   # only where the ranks are actors
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     ray.get([rank.__ray_call__.remote(_record) for rank in ranks])
     yield ties
