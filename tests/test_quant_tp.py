@@ -5,13 +5,16 @@ kv-head ranges as the float layers, replicated when there are fewer kv heads tha
 shards take their input columns and keep every scale, and quantize their own slice of the input per
 token (as vllm-ascend: no extra collective), so TP 2 is its own arithmetic. Each TP size gives the
 tokens of the plain-torch reference of its arithmetic (transformers + PEFT with W8A8 reference
-linears, fp32) with mixed adapters, within 1e-3 in logprob; each rank holds half the int8 weights.
+linears, fp32) with mixed adapters, within 1e-3 in logprob for every request (the reference takes
+the engine's side of int8 rounding ties, each rank's recorded on its actor: tests/w8a8_ties.py);
+each rank holds half the int8 weights.
 """
 import pytest
 
 from factories import PROMPTS, engine_with_adapters
 from lora_fixtures import ADAPTERS, PeftOracle, build_adapters
 from w8a8_reference import assert_matches_reference, install_reference
+from w8a8_ties import engine_rounding
 from workers import LLMEngine, SamplingParams
 from workers.quant.writer import quantize_checkpoint
 
@@ -39,17 +42,20 @@ def test_tp2_matches_the_reference_and_halves_int8_weights(model_dir, tmp_path, 
     adapters = build_adapters(src, tmp_path / "adapters")
     sizes = {}
     for tp in (1, 2):
-        oracle = PeftOracle(src, adapters)
-        install_reference(oracle.model, dst, tp=tp)
-        expected = [oracle.greedy(p, a, GREEDY.max_tokens) for p, a in REQUESTS]
         engine = engine_for(dst, adapters, tensor_parallel_size=tp)
         try:
-            outs = engine.generate([p for p, _ in REQUESTS], GREEDY, adapters=[a for _, a in REQUESTS])
+            with engine_rounding(engine) as ties:
+                outs = engine.generate([p for p, _ in REQUESTS], GREEDY, adapters=[a for _, a in REQUESTS])
             ranks = engine.executor.resident_bytes()
         finally:
             engine.close()
         sizes[tp] = ranks if tp == 2 else [ranks]
+        assert len(ties.tables) == 4 * 2 * tp   # every layer on every rank
+        oracle = PeftOracle(src, adapters)
+        install_reference(oracle.model, dst, tp=tp, ties=ties)
+        expected = [oracle.greedy(p, a, GREEDY.max_tokens) for p, a in REQUESTS]
         assert_matches_reference(REQUESTS, outs, expected)
+        assert ties.rare(), ties.adopted   # a few elements per run, not a pattern
     one = sizes[1][0]["params"]
     for rank in sizes[2]:
         for param, nbytes in rank["params"].items():
