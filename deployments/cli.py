@@ -42,7 +42,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     run.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                      help="weights and activations (auto: bfloat16; float32 on a CPU without bf16 instructions)")
     run.add_argument("--cpu-threads", type=int, default=None,
-                     help="device cpu: compute threads per rank (default: the node's CPUs / tp)")
+                     help="device cpu: compute threads per rank (default: the node's CPUs but "
+                          "--cpu-reserved-cores, / tp)")
+    run.add_argument("--cpu-reserved-cores", type=int, default=None,
+                     help="device cpu: cores the default --cpu-threads leaves to Serve (default 1)")
     run.add_argument("--replicas", type=int, default=1, help="LLMServer replicas")
     run.add_argument("--max-lora-rank", type=int, default=64)
     run.add_argument("--max-loras-per-batch", type=int, default=4)
@@ -110,6 +113,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
                   adapter_roots=args.adapter_root, max_num_seqs=args.max_num_seqs)
     if args.cpu_threads:
         kwargs["cpu_threads"] = args.cpu_threads
+    if args.cpu_reserved_cores is not None:
+        kwargs["cpu_reserved_cores"] = args.cpu_reserved_cores
     if args.lora_target_modules:
         kwargs["lora_target_modules"] = tuple(dict.fromkeys(args.lora_target_modules))
     return kwargs

@@ -25,6 +25,8 @@ from workers.device import PLATFORMS, check_device_resource
 
 DEMO_MODEL = "demo"                 # the embedded default: a tiny deterministic model built locally
 ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}   # `model` is LLMConfig's own
+# Where a replica's engine differs from EngineConfig's defaults: it shares its node with Serve (workers/config.py)
+REPLICA_ENGINE_DEFAULTS = {"cpu_reserved_cores": 1}
 _ENGINE = TypeAdapter(EngineConfig)   # EngineConfig's types and checks, with pydantic's errors naming the field
 API_KEY_ENV = "LORASERVE_API_KEY"   # read when the config is built, if api_key is not given
 
@@ -121,7 +123,7 @@ class LLMConfig(BaseModel):
         return self.model.rstrip("/").split("/")[-1] if self.model.startswith(("/", ".", "~")) else self.model
 
     def engine_config(self) -> EngineConfig:
-        return EngineConfig(model=self.model, **self.engine_kwargs)
+        return EngineConfig(model=self.model, **{**REPLICA_ENGINE_DEFAULTS, **self.engine_kwargs})
 
     @property
     def engine(self) -> EngineConfig:

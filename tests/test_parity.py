@@ -101,5 +101,12 @@ def test_cpu_threads_is_applied_and_defaults_to_the_process_cpus(model_dir):
         assert torch.get_num_threads() == 1
         assert cpu_threads_per_rank(1) == len(os.sched_getaffinity(0))
         assert cpu_threads_per_rank(10_000) == 1
+        cpus = len(os.sched_getaffinity(0))
+        assert cpu_threads_per_rank(1, reserved=1) == max(1, cpus - 1)   # a served engine leaves Serve a core
+        assert cpu_threads_per_rank(1, reserved=cpus) == 1
+        with pytest.raises(ValueError, match="cpu_reserved_cores must be >= 0"):
+            EngineConfig(model="m", cpu_reserved_cores=-1)
+        with pytest.raises(ValueError, match="cpu_threads must be >= 1"):
+            EngineConfig(model="m", cpu_threads=0)
     finally:
         torch.set_num_threads(before)

@@ -142,6 +142,9 @@ def test_cli_takes_vllms_max_num_seqs_and_the_lora_target_modules(capsys):
     assert (engine.max_num_seqs, engine.lora_target_modules, engine.cpu_threads) == (8, ("q_proj", "v_proj"), 2)
     default = config_from_args(parse_args(["serve"])).engine_config()
     assert default.max_num_seqs == 64 and "lm_head" in default.lora_target_modules
+    # a replica's engine leaves one core to Serve by default (as vLLM's CPU worker); the flag changes it
+    assert default.cpu_reserved_cores == 1
+    assert config_from_args(parse_args(["serve", "--cpu-reserved-cores", "0"])).engine_config().cpu_reserved_cores == 0
     with pytest.raises(SystemExit):
         parse_args(["serve", "--lora-target-modules", "q_proj", "qproj"])
     assert "invalid choice: 'qproj'" in capsys.readouterr().err

@@ -54,6 +54,11 @@ class EngineConfig:
     # CPU: compute threads of each rank; None = this process's CPUs / the ranks (in a Ray actor, torch would
     # otherwise keep the OMP_NUM_THREADS=num_cpus Ray sets: 1 for a replica)
     cpu_threads: int | None = None
+    # CPU: cores the default `cpu_threads` leaves to what runs beside the engine. A served engine's neighbours
+    # (the replica's event loop, Serve's ingress and proxy, on the same node) would otherwise preempt one of
+    # its OpenMP threads, and every parallel op then waits for it; vLLM's CPU worker keeps one core for its
+    # front end the same way (VLLM_CPU_NUM_OF_RESERVED_CPU). 0 here; a Serve replica's default is 1.
+    cpu_reserved_cores: int = 0
     # decode graphs
     enforce_eager: bool = False
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
@@ -86,6 +91,8 @@ class EngineConfig:
         need(self.device_resource is None or (isinstance(self.device_resource, str) and self.device_resource != ""),
              f"device_resource must be a Ray resource name or None, got {self.device_resource!r}")
         need(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
+        need(self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads must be >= 1 (or unset)")
+        need(self.cpu_reserved_cores >= 0, "cpu_reserved_cores must be >= 0")
         need(self.lora_backend in (None, *LORA_BACKENDS),
              f"lora_backend must be one of {', '.join(LORA_BACKENDS)} (or unset), got {self.lora_backend!r}")
         need(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2")

@@ -25,7 +25,8 @@ class Worker:
         platform.set_device(device_index)
         allow_pinning(platform.name != "cpu")   # this process holds the device it copies to (lora/transfer.py)
         if platform.name == "cpu":
-            torch.set_num_threads(config.cpu_threads or cpu_threads_per_rank(config.tensor_parallel_size))
+            torch.set_num_threads(config.cpu_threads or cpu_threads_per_rank(config.tensor_parallel_size,
+                                                                             config.cpu_reserved_cores))
         self.runner = ModelRunner(config, runtime, platform, tp, platform.torch_device(device_index), get_adapter)
 
     def execute(self, plan: StepPlan) -> StepOutput:
@@ -48,6 +49,7 @@ class Worker:
                 "kv_cache": runner.kv_cache.k.nbytes + runner.kv_cache.v.nbytes}
 
 
-def cpu_threads_per_rank(ranks: int) -> int:
-    """This process's CPUs shared among the ranks (all on one node: the CPU placement packs them)."""
-    return max(1, len(os.sched_getaffinity(0)) // ranks)
+def cpu_threads_per_rank(ranks: int, reserved: int = 0) -> int:
+    """This process's CPUs but `reserved`, shared among the ranks (all on one node: the CPU placement packs
+    them); at least one thread each."""
+    return max(1, (len(os.sched_getaffinity(0)) - reserved) // ranks)
