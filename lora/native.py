@@ -26,6 +26,15 @@ import torch  # noqa: F401  (loaded first: the kernels' libgomp.so.1 must resolv
 
 logger = logging.getLogger(__name__)
 
+
+def constant_result(fn):
+    """torch.compiler.assume_constant_result, without its cost: the public decorator imports torch._dynamo (about
+    1 s of CPU) only to set this attribute, which dynamo reads when it traces (torch/_dynamo/decorators.py; torch
+    marks its own justknobs_check the same way). Every process that imports a kernel (each replica, rank and
+    CLI) paid that second at start; none of them compiles."""
+    fn._dynamo_marked_constant = True
+    return fn
+
 FLAGS = ("-O3", "-fopenmp", "-ffp-contract=fast", "-shared", "-fPIC")
 HEADER = Path(__file__).with_name("native.h")   # included by every kernel: part of each build's key
 _lock = threading.Lock()

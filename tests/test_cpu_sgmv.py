@@ -170,8 +170,11 @@ def _run_python(code: str, **env) -> subprocess.CompletedProcess:
 
 
 FALLBACK = """
+import sys
 import pytest, torch
 from lora.backends import cpu_sgmv, get_backend
+import workers.cpu_attention
+assert "torch._dynamo" not in sys.modules, "importing the kernels costs a second of torch._dynamo import again"
 from lora_reference import make_lora_case, ref_add_lora
 assert not cpu_sgmv.available()
 backend = get_backend(None, "cpu", torch.float32, 8)       # the CPU's default: cpu, without its kernel
@@ -184,6 +187,20 @@ op = backend.bind("0.qkv_proj", case.a, case.b, case.offsets)
 op(case.y, case.x, backend.batch_info(case.token_slots, case.ranks, "decode"))
 torch.testing.assert_close(case.y, expected, rtol=1e-5, atol=1e-5)
 """
+
+
+def test_the_kernels_availability_is_marked_constant_as_torch_compiler_marks_it():
+    """lora.native.constant_result sets what torch.compiler.assume_constant_result sets (FALLBACK checks that
+    it does so without importing torch._dynamo)."""
+    from workers import cpu_attention
+
+    def probe():
+        return True
+
+    marked = torch.compiler.assume_constant_result(probe)
+    assert vars(marked) == {"_dynamo_marked_constant": True}
+    for available in (cpu_sgmv.available, cpu_attention.available):
+        assert vars(available).items() >= vars(marked).items()
 
 
 @pytest.mark.slow   # a fresh interpreter running the ops

@@ -35,7 +35,7 @@ def _load() -> ctypes.CDLL | None:
     return native.load(SOURCE, {name: [ctypes.c_void_p] for name in _SYMBOLS.values()})
 
 
-@torch.compiler.assume_constant_result   # a fact of the process: torch.compile need not trace the build
+@native.constant_result   # a fact of the process: torch.compile need not trace the build
 def available() -> bool:
     return _load() is not None
 

@@ -33,7 +33,7 @@ def _load() -> ctypes.CDLL | None:
     return native.load(SOURCE, {name: argtypes[name[:4]] for names in _SYMBOLS.values() for name in names})
 
 
-@torch.compiler.assume_constant_result   # a fact of the process: torch.compile need not trace the build
+@native.constant_result   # a fact of the process: torch.compile need not trace the build
 def available() -> bool:
     return _load() is not None
 
