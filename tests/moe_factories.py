@@ -157,7 +157,7 @@ class MergedOracle:
                 else:
                     self.model.get_submodule(path).weight += delta
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def greedy(self, prompt: str, adapter, max_tokens: int) -> tuple[list[int], list[float]]:
         ids = self.tokenizer(prompt, return_tensors="pt").input_ids
         out = self.model.generate(input_ids=ids, max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,

@@ -26,8 +26,8 @@ EVERYTHING = dict(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, presence_pen
 
 
 @pytest.fixture(scope="module")
-def moe(tmp_path_factory):
-    """(model path, adapters, expected greedy (tokens, logprobs) per request) on the reference model."""
+def moe_files(tmp_path_factory):
+    """(model path, adapters) of the reference model."""
     out = tmp_path_factory.mktemp("moe")
     path = make_moe_model(out / "model")
     adapters = {
@@ -36,9 +36,22 @@ def moe(tmp_path_factory):
         "per_expert": write_per_expert_adapter(path, out / "per_expert", r=8, alpha=16, seed=3)[0],
         "dense_mlp": write_dense_mlp_adapter(path, out / "dense_mlp", layers=(1,), r=8, alpha=16, seed=4),
     }
+    return path, adapters
+
+
+@pytest.fixture(scope="module")
+def oracles(moe_files):
+    """The HF oracle of each adapter name (None: the base), loaded once for the module."""
+    path, adapters = moe_files
     peft = PerAdapterOracle(path, {name: adapters[name] for name in ("attn", "experts")})
-    oracles = {None: peft, "attn": peft, "experts": peft, "per_expert": MergedOracle(path, adapters["per_expert"]),
-               "dense_mlp": MergedOracle(path, adapters["dense_mlp"])}
+    return {None: peft, "attn": peft, "experts": peft, "per_expert": MergedOracle(path, adapters["per_expert"]),
+            "dense_mlp": MergedOracle(path, adapters["dense_mlp"])}
+
+
+@pytest.fixture(scope="module")
+def moe(moe_files, oracles):
+    """(model path, adapters, expected greedy (tokens, logprobs) per request) on the reference model."""
+    path, adapters = moe_files
     expected = [oracles[a].greedy(p, a, MAX_TOKENS) for p, a in REQUESTS]
     base = {p: tokens for (p, a), (tokens, _) in zip(REQUESTS, expected) if a is None}
     for name in adapters:   # every adapter changes some output, so parity is not trivial
@@ -101,13 +114,10 @@ def test_mixed_batch_matches_hf_and_peft(moe, options):
         engine.close()
 
 
-def test_chunked_prefill_and_prefix_cache_hits(moe):
+def test_chunked_prefill_and_prefix_cache_hits(moe, oracles):
     path, adapters, _ = moe
     long = " ".join(PROMPTS)
     requests = [(long, a) for a in NAMES]
-    peft = PerAdapterOracle(path, {name: adapters[name] for name in ("attn", "experts")})
-    oracles = {None: peft, "attn": peft, "experts": peft, "per_expert": MergedOracle(path, adapters["per_expert"]),
-               "dense_mlp": MergedOracle(path, adapters["dense_mlp"])}
     expected = [oracles[a].greedy(p, a, MAX_TOKENS) for p, a in requests]
     engine = make_engine(path, adapters, max_num_batched_tokens=16, max_num_seqs=8, kv_block_size=4)
     try:

@@ -10,6 +10,7 @@ pytestmark = pytest.mark.slow   # make test-fast skips it: whole generations aga
 MAX_TOKENS = 32
 
 
+@torch.inference_mode()
 def hf_greedy(model, tokenizer, prompt: str, max_tokens: int):
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
