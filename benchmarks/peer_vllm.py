@@ -51,8 +51,9 @@ def ensure_venv(log=print) -> Path:
     return python
 
 
-def vllm_env(threads: int, log=print) -> dict[str, str]:
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
+def vllm_env(threads: int, log=print, omp_bind: str | None = None) -> dict[str, str]:
+    """vLLM's CPU settings; its OpenMP threads on every core unless `omp_bind` (VLLM_CPU_OMP_THREADS_BIND)."""
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=omp_bind or f"0-{threads - 1}",
                VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     preload = [str(p) for p in (TCMALLOC, VENV / "lib" / "libiomp5.so") if p.exists()]
     if not TCMALLOC.exists():
@@ -158,14 +159,15 @@ def offline(sizes: Sizes, dtype: str, rounds: int, log=print) -> dict:
             "vllm_lora_base_tok_s": median([p["tok_s"]["vllm"]["base"] for p in pairs])}
 
 
-def vllm_server(model: Path, dtype: str, sizes: Sizes, paths: list[Path], port: int, max_model_len: int, log=print):
+def vllm_server(model: Path, dtype: str, sizes: Sizes, paths: list[Path], port: int, max_model_len: int, log=print,
+                omp_bind: str | None = None):
     cmd = [str(ensure_venv(log)), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--served-model-name", "bench", "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port),
            "--max-num-seqs", str(sizes.batch), "--max-model-len", str(max_model_len), "--enable-lora",
            "--max-loras", str(sizes.max_loras_per_batch), "--max-lora-rank", str(sizes.rank),
            "--max-cpu-loras", str(sizes.max_loaded_loras), "--seed", "0",
            "--lora-modules", *[f"{adapter_name(i)}={p}" for i, p in enumerate(paths)]]
-    return subprocess.Popen(cmd, env=vllm_env(sizes.threads, log), cwd=tempfile.gettempdir(),
+    return subprocess.Popen(cmd, env=vllm_env(sizes.threads, log, omp_bind), cwd=tempfile.gettempdir(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 

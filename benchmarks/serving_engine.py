@@ -47,7 +47,8 @@ async def drive(engine, requests: list[dict], naming) -> tuple[list[dict], float
 
 
 def run(sizes: Sizes = FULL, load: ServingLoad = ServingLoad(num_adapters=8), dtype: str = "bfloat16",
-        rates: tuple[float, ...] | None = None, log=print) -> dict:
+        rates: tuple[float, ...] | None = None, log=print, cpu_reserved_cores: int | None = None) -> dict:
+    """`cpu_reserved_cores`: None = the replica's engine setting (what the same LLMConfig gives a replica)."""
     from deployments.config import LLMConfig
     from workers.async_engine import AsyncLLMEngine
     from workers.engine import LLMEngine
@@ -55,6 +56,9 @@ def run(sizes: Sizes = FULL, load: ServingLoad = ServingLoad(num_adapters=8), dt
     model_dir = build_checkpoint(dtype, sizes.shape)
     paths = build_adapters(load.num_adapters, sizes.shape, sizes.rank)
     config = LLMConfig(**bench_config(model_dir, paths, load, sizes, dtype))
+    if cpu_reserved_cores is not None:
+        config = config.model_copy(update={"engine_kwargs": {**config.engine_kwargs,
+                                                             "cpu_reserved_cores": cpu_reserved_cores}})
     engine = LLMEngine(config.replica_engine_config())
     for name, source in config.adapters.items():
         engine.load_adapter(name, source)
@@ -81,9 +85,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--adapters", type=int, default=8)
     parser.add_argument("--requests", type=int, default=ServingLoad().num_requests)
     parser.add_argument("--out", default=None, help="write the result here as JSON")
+    parser.add_argument("--cpu-reserved-cores", type=int, default=None,
+                        help="default: the replica's (1); 0 computes on every core")
     args = parser.parse_args(argv)
     load = replace(ServingLoad(), num_adapters=args.adapters, num_requests=args.requests)
-    data = run(FULL, load, rates=tuple(float(r) for r in args.rates.split(",")))
+    data = run(FULL, load, rates=tuple(float(r) for r in args.rates.split(",")),
+               cpu_reserved_cores=args.cpu_reserved_cores)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(data, f, indent=1)

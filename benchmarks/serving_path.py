@@ -32,18 +32,18 @@ TARGETS = {"tpot_ratio": 1.10, "throughput_ratio": 0.95}
 RAY_DEFAULTS = {"RAY_worker_niceness": "15", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0",
                 "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0", "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1",
                 "RAY_SERVE_LOG_TO_STDERR": "1"}
-VARIANTS = ("engine", "http", "http_ray_defaults", "http_before")
-HTTP = VARIANTS[1:]
+VARIANTS = ("engine", "http", "http_ray_defaults", "http_before", "engine_all_cores")
+HTTP = VARIANTS[1:4]
 
 
 def run_variant(variant: str, tree: Path, rates: str, requests: int, log) -> dict:
     """One variant's process; every variant but `http` under Ray's defaults (the engine alone starts no Ray)."""
     out = Path(tempfile.mkstemp(prefix="serving-path-", suffix=".json")[1])
-    script = ROOT / "benchmarks" / ("serving_engine.py" if variant == "engine" else "serving.py")
+    script = ROOT / "benchmarks" / ("serving_engine.py" if variant.startswith("engine") else "serving.py")
     env = dict(os.environ, PYTHONPATH=str(tree), LORASERVE_BENCH_CACHE=str(cache_root()),
                **({} if variant == "http" else RAY_DEFAULTS))
     cmd = [sys.executable, str(script), "--rates", rates, "--adapters", "8", "--requests", str(requests),
-           "--out", str(out)]
+           "--out", str(out)] + (["--cpu-reserved-cores", "0"] if variant == "engine_all_cores" else [])
     done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"{variant} failed:\n{done.stderr[-3000:]}")
@@ -62,6 +62,9 @@ def ratios(got: dict, rate: float) -> dict:
         out[f"tok_s_{v}_over_engine"] = summary["output_tok_s"] / engine["output_tok_s"]
         for role in ("ingress", "llm_replica", "proxy"):
             out[f"{role}_cpu_s_per_token_{v}"] = got[v][rate]["cpu_s_per_token"].get(role)
+    all_cores, http = got["engine_all_cores"][rate]["summary"], got["http"][rate]["summary"]
+    out["tpot_http_over_engine_all_cores"] = http["tpot_ms"]["p50"] / all_cores["tpot_ms"]["p50"]
+    out["tok_s_http_over_engine_all_cores"] = http["output_tok_s"] / all_cores["output_tok_s"]
     return out
 
 
@@ -72,7 +75,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--rates", default="2,8")
     parser.add_argument("--requests", type=int, default=60, help="per rate (the issue's load: 60)")
     args = parser.parse_args(argv)
-    trees = {"engine": ROOT, "http": ROOT, "http_ray_defaults": ROOT, "http_before": checkout(args.before)}
+    trees = {"engine": ROOT, "http": ROOT, "http_ray_defaults": ROOT, "http_before": checkout(args.before),
+             "engine_all_cores": ROOT}
     rates = [float(r) for r in args.rates.split(",")]
     rounds = []
     for i in range(args.rounds):
@@ -108,21 +112,25 @@ def section(data: dict) -> str:
              f"{data['num_requests']} streamed requests per rate, Poisson arrivals, 8 adapters, bench checkpoint "
              f"bf16, the settings of benchmarks/common.py. HTTP = this tree with the Ray settings (README \"Ray "
              f"settings\"); Ray defaults = this tree without them; before = {data['before']} without them. "
-             "Medians over rounds.", "",
+             "The engine alone is the replica's engine (the same LLMConfig: one core left to Serve, "
+             "`cpu_reserved_cores`); the last columns set it on every core. Medians over rounds.", "",
              "| rate | engine TPOT p50 | HTTP TPOT p50 (HTTP / Ray defaults / before) | HTTP / engine TPOT (target "
              f"<= {TARGETS['tpot_ratio']}) | TTFT p99 engine / HTTP / Ray defaults / before | out tok/s engine / "
-             f"HTTP / Ray defaults / before | HTTP / engine tok/s (target >= {TARGETS['throughput_ratio']}) |",
-             "|---|---|---|---|---|---|---|"]
+             f"HTTP / Ray defaults / before | HTTP / engine tok/s (target >= {TARGETS['throughput_ratio']}) | "
+             "engine on every core: TPOT p50, HTTP / it TPOT, HTTP / it tok/s |",
+             "|---|---|---|---|---|---|---|---|"]
     for rate in data["rates"]:
         m = data["median"][rate]
         e = m["engine"]
         tpot = " / ".join(f"{m[v]['tpot_p50_ms']:.1f}" for v in HTTP)
         tpot_ratio = " / ".join(f"{m[f'tpot_{v}_over_engine']:.2f}" for v in HTTP)
-        ttft = " / ".join(f"{m[v]['ttft_p99_ms']:.0f}" for v in VARIANTS)
-        tok = " / ".join(f"{m[v]['output_tok_s']:.1f}" for v in VARIANTS)
+        ttft = " / ".join(f"{m[v]['ttft_p99_ms']:.0f}" for v in VARIANTS[:4])
+        tok = " / ".join(f"{m[v]['output_tok_s']:.1f}" for v in VARIANTS[:4])
         tok_ratio = " / ".join(f"{m[f'tok_s_{v}_over_engine']:.2f}" for v in HTTP)
+        a = m["engine_all_cores"]
         lines.append(f"| {rate:g} req/s | {e['tpot_p50_ms']:.1f} ms | {tpot} ms | **{tpot_ratio}** | {ttft} ms | "
-                     f"{tok} | **{tok_ratio}** |")
+                     f"{tok} | **{tok_ratio}** | {a['tpot_p50_ms']:.1f} ms, "
+                     f"{m['tpot_http_over_engine_all_cores']:.2f}, {m['tok_s_http_over_engine_all_cores']:.2f} |")
     lines += ["", "CPU milliseconds per generated token (process CPU of each Serve actor during the timed load; "
               "HTTP / Ray defaults / before):", "",
               "| rate | ingress | LLM replica | HTTP proxy |", "|---|---|---|---|"]
