@@ -35,6 +35,7 @@ def constant_result(fn):
     fn._dynamo_marked_constant = True
     return fn
 
+
 FLAGS = ("-O3", "-fopenmp", "-ffp-contract=fast", "-shared", "-fPIC")
 HEADER = Path(__file__).with_name("native.h")   # included by every kernel: part of each build's key
 _lock = threading.Lock()
