@@ -27,6 +27,9 @@ DEFAULT_APP_NAME = "loraserve"
 SHUTDOWN_GRACE_S = 8.0    # after SIGTERM the process is gone within this, whatever hangs (orchestrators wait 10+)
 SERVE_SHUTDOWN_S = 4.0    # of which Serve gets this to drain and stop replicas
 STOPPING = threading.Event()
+# A stop signal arrived: its handler also raises, but a raise landing where Python swallows it (an at-fork
+# hook while Ray forks its daemons: "Exception ignored in _releaseLock") is lost; the flag is not.
+STOP_REQUESTED = threading.Event()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -127,6 +130,7 @@ def serve_forever(args: argparse.Namespace) -> int:
         print(f"loraserve: warning: {warning}", file=sys.stderr, flush=True)
     import ray
     import ray._private.ray_constants as ray_constants
+    import ray._private.utils as ray_private_utils
     from ray import serve
 
     from workers.ray_utils import init_local_ray
@@ -134,6 +138,9 @@ def serve_forever(args: argparse.Namespace) -> int:
     # Ray's C++ failure-signal handler (stack dump, then abort) would replace ours for SIGTERM in this process;
     # read when ray.init starts the driver's core worker, so this leaves Ray's own processes as they are.
     ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
+    # ray.init would put its own SIGTERM handler (sys.exit) in place of ours for its duration: ours records
+    # the signal, so a stop during ray.init is acted on once it returns even if its raise was swallowed.
+    ray_private_utils.set_sigterm_handler = lambda _handler: None
     temp_dir, serving = None, False
     try:
         if args.address:
@@ -142,6 +149,8 @@ def serve_forever(args: argparse.Namespace) -> int:
             temp_dir = tempfile.mkdtemp(prefix="lsr-", dir="/tmp")   # short: Ray's socket paths have a length limit
             context = init_local_ray(temp_dir, num_cpus=args.num_cpus or os.cpu_count() or 2)
         _raise_on_stop_signals()
+        if STOP_REQUESTED.is_set():
+            raise KeyboardInterrupt
         from deployments.app import build_app
         from deployments.placement import DeployError, PlacementError, wait_until_running
 
@@ -160,8 +169,9 @@ def serve_forever(args: argparse.Namespace) -> int:
         print(f"loraserve: serving {config.base_model_name!r} at {base}/v1 (models: {base}/v1/models)", flush=True)
         print(ray_address_hint(context.address_info["gcs_address"], args.name), flush=True)
         serving = True
-        while True:
-            time.sleep(3600)   # until a signal raises KeyboardInterrupt
+        while not STOP_REQUESTED.is_set():
+            time.sleep(1)   # until a signal raises KeyboardInterrupt (or sets the flag where its raise was lost)
+        raise KeyboardInterrupt
     except KeyboardInterrupt:
         return 0
     finally:
@@ -217,9 +227,10 @@ def _stop(app_name: str, joined: bool, drain: bool, temp_dir: str | None) -> Non
 
 def _raise_on_stop_signals() -> None:
     """SIGTERM and SIGINT raise KeyboardInterrupt in the main thread wherever it is (in serve.start, a
-    blocking Ray call: Ray checks for signals while it waits), once: not during the clean-up. Installed again
-    after ray.init, whose own SIGTERM handler (sys.exit) interrupts just as well while it runs."""
+    blocking Ray call: Ray checks for signals while it waits), once: not during the clean-up; and set
+    STOP_REQUESTED. Installed again after ray.init (which installs Ray's own SIGINT handling)."""
     def on_signal(_signum, _frame) -> None:
+        STOP_REQUESTED.set()
         if not STOPPING.is_set():
             raise KeyboardInterrupt
 
