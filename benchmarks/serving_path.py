@@ -2,8 +2,9 @@
 
     .venv/bin/python -m benchmarks.serving_path [--before 7f7b849] [--rounds 2] [--rates 2,8]
 
-Four variants, each a process of its own running both rates (benchmarks.serving's load, 8 adapters):
-the engine alone (benchmarks.serving_engine, this tree), HTTP through Serve (this tree, with the Ray
+Five variants, each a process of its own running both rates (benchmarks.serving's load, 8 adapters):
+the engine alone (benchmarks.serving_engine, this tree: the replica's engine, one core left to Serve;
+and again on every core), HTTP through Serve (this tree, with the Ray
 settings of workers/ray_utils.py SERVING_RAY_ENV), the same under Ray's defaults (workers at nice 15,
 Serve's default mode), and HTTP through Serve at the `--before` revision under Ray's defaults (checked
 out as benchmarks.ab does; the same driver file runs with that tree first on the path, so only the
@@ -25,13 +26,13 @@ from pathlib import Path
 from benchmarks.ab import checkout
 from benchmarks.checkpoint import cache_root
 from benchmarks.common import RESULTS, machine_info, median, write_result
+from workers.ray_utils import SERVING_RAY_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGETS = {"tpot_ratio": 1.10, "throughput_ratio": 0.95}
-# Ray's own defaults, as a cluster started without SERVING_RAY_ENV has them.
-RAY_DEFAULTS = {"RAY_worker_niceness": "15", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0",
-                "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0", "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1",
-                "RAY_SERVE_LOG_TO_STDERR": "1"}
+# Ray's own defaults for the same keys, as a cluster started without SERVING_RAY_ENV has them (the others
+# are the defaults already: Serve's default mode has no direct ingress and writes each log line at once).
+RAY_DEFAULTS = dict(SERVING_RAY_ENV, RAY_worker_niceness="15", RAY_SERVE_THROUGHPUT_OPTIMIZED="0")
 VARIANTS = ("engine", "http", "http_ray_defaults", "http_before", "engine_all_cores")
 HTTP = VARIANTS[1:4]
 

@@ -46,9 +46,9 @@ def run_vllm(load: ServingLoad, rates: tuple[float, ...], dtype: str = "bfloat16
         asyncio.run(drive(url, warm_requests(load, sizes), naming))
         for timed in loads_at(load, rates):
             results, wall = asyncio.run(drive(url, make_requests(timed, sizes.shape.vocab_size), naming))
-            out[timed.rate] = summarize(results, wall)
-            log(f"[vllm serving, bind {omp_bind or 'all'}] {timed.rate}/s: TPOT p50 {out[timed.rate]['tpot_ms']['p50']:.1f} ms, TTFT p99 "
-                f"{out[timed.rate]['ttft_ms']['p99']:.0f} ms, {out[timed.rate]['failed']} failed")
+            got = out[timed.rate] = summarize(results, wall)
+            log(f"[vllm serving, bind {omp_bind or 'all'}] {timed.rate}/s: TPOT p50 {got['tpot_ms']['p50']:.1f} ms, "
+                f"TTFT p99 {got['ttft_ms']['p99']:.0f} ms, {got['failed']} failed")
     finally:
         os.killpg(server.pid, signal.SIGTERM)   # the server and its engine-core process, started by us
         server.wait(timeout=60)
