@@ -17,9 +17,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, TypeAdapter, field_validator, model_validator
 
-from lora.adapter import check_adapter_name
-from lora.peft_format import CONFIG_NAME, SAFETENSORS_NAME
-from lora.sources import is_hub_id
+from lora.names import check_adapter_name
+from lora.sources import CONFIG_NAME, SAFETENSORS_NAME, is_hub_id
 from workers.config import EngineConfig
 from workers.device import PLATFORMS, check_device_resource
 

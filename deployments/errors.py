@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse
 
 from deployments.adapter_registry import RegistryUnavailableError
 from lora.errors import AdapterNotFoundError
-from workers.async_engine import EngineDeadError, RequestError
+from workers.errors import EngineDeadError, RequestError
 
 logger = logging.getLogger("ray.serve")
 MAX_MESSAGE_CHARS = 1000

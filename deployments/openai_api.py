@@ -33,8 +33,8 @@ from deployments.http_edge import Body, check_api_key, install_error_handlers, r
 from deployments.loopback import bind_replica_grpc_to_node_ip
 from deployments.metrics import render_prometheus
 from deployments.render import DONE, RenderSpec, join_body
-from lora.adapter import ADAPTER_NAME, check_adapter_name
-from workers.async_engine import EngineDeadError
+from lora.names import ADAPTER_NAME, check_adapter_name
+from workers.errors import EngineDeadError
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
 HEALTH_TIMEOUT_S = 10.0

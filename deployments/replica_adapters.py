@@ -12,7 +12,7 @@ from typing import Any
 
 from ray import serve
 
-from lora.adapter import check_adapter_name
+from lora.names import check_adapter_name
 from lora.errors import AdapterError, AdapterNotFoundError, AdapterPathError
 from lora.sources import is_hub_id
 

@@ -1,8 +1,5 @@
 """LoRA adapters: format, validation, host cache, device slots, backends, layers.
 
-Imports nothing from `workers/` or `deployments/`.
+Imports nothing from `workers/` or `deployments/`. Nothing is imported here: the modules that only name
+things (lora.names, lora.backend_names, lora.modules, lora.errors) stay free of torch for the ingress.
 """
-from lora.adapter import LoRAAdapter, LoRAModelSpec, LoRAWeights, load_adapter
-from lora.errors import AdapterError
-
-__all__ = ["AdapterError", "LoRAAdapter", "LoRAModelSpec", "LoRAWeights", "load_adapter"]

@@ -6,8 +6,6 @@ engine; `load_adapter` reads the PEFT format (safetensors only).
 from __future__ import annotations
 
 import math
-import re
-
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -20,22 +18,7 @@ from lora.peft_format import LoraSettings, LoraTensorPair, read_settings, read_t
 from lora.sources import resolve_source
 
 __all__ = ["GLOBAL_MODULES", "LINEAR_MODULES", "SUPPORTED_MODULES", "LoRAAdapter", "LoRAModelSpec", "LoRAWeights",
-           "check_adapter_name", "load_adapter", "model_spec_from_hf_config"]
-
-# A name is a routing key (`<base>:<adapter>`), a metric label and a log field: no ':', '/', spaces, newlines.
-ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-
-
-def check_adapter_name(name: object, base_model: str | None = None) -> str:
-    """`name` if it is a valid adapter name (and not the served base model's), else AdapterError saying why."""
-    if not isinstance(name, str) or not ADAPTER_NAME.fullmatch(name):
-        shown = repr(name[:64] + "..." if isinstance(name, str) and len(name) > 64 else name)
-        raise AdapterError(f"adapter name {shown} is invalid: expected 1 to 128 letters, digits, '.', '_' or '-', "
-                           "starting with a letter or digit")
-    if name == base_model:
-        raise AdapterError(f"adapter name {name!r} is the served base model's name; choose another")
-    return name
-
+           "load_adapter", "model_spec_from_hf_config"]
 
 @dataclass(frozen=True)
 class LoRAModelSpec:

@@ -18,11 +18,9 @@ from safetensors.torch import load
 
 from lora.errors import AdapterConfigError, AdapterUnsupportedError, AdapterWeightsError
 from lora.expert_format import EXPERT_PARAMETERS, ROUTER_REFUSAL
-from lora.sources import check_inside_roots, read_small_file, regular_file
+from lora.sources import (CONFIG_NAME, PICKLED_NAME, SAFETENSORS_NAME, check_inside_roots, read_small_file,
+                          regular_file)
 
-CONFIG_NAME = "adapter_config.json"
-SAFETENSORS_NAME = "adapter_model.safetensors"
-PICKLED_NAME = "adapter_model.bin"
 MAX_CONFIG_BYTES = 1 << 20     # a PEFT config is a few hundred bytes; this bounds what a load reads into memory
 
 # PEFT's LoraConfig default, used when a config omits lora_alpha.

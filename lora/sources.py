@@ -18,7 +18,11 @@ from lora.errors import AdapterConfigError, AdapterError, AdapterNotFoundError, 
 
 # `org/name` or `org/name@revision`; anything else that does not exist is a missing path.
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?")
-HUB_FILES = ("adapter_config.json", "adapter_model.safetensors")   # what a PEFT adapter needs (peft_format)
+# A PEFT adapter's files (read by peft_format; named here, apart from torch, for the config's early check).
+CONFIG_NAME = "adapter_config.json"
+SAFETENSORS_NAME = "adapter_model.safetensors"
+PICKLED_NAME = "adapter_model.bin"   # refused: unpickling runs code
+HUB_FILES = (CONFIG_NAME, SAFETENSORS_NAME)   # what a PEFT adapter needs
 
 
 def is_hub_id(source: str) -> bool:

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from ascend_emulator import register_emulator
-from lora.backends import BACKENDS, get_backend
+from lora.backend_names import BACKENDS
+from lora.backends import get_backend
 from lora.backends.ascend import AscendBackend
 from lora.backends.cpu import CpuBackend
 from lora.backends.torch_native import TorchNativeBackend

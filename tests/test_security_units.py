@@ -18,7 +18,8 @@ from deployments import protocol as oai
 from deployments.cli import config_from_args, parse_args
 from deployments.config import LLMConfig
 from deployments.errors import CallerErrorLogFilter, classify, error_body, message_of
-from lora.adapter import check_adapter_name, load_adapter, model_spec_from_hf_config
+from lora.adapter import load_adapter, model_spec_from_hf_config
+from lora.names import check_adapter_name
 from lora.errors import AdapterConfigError, AdapterError
 from lora.peft_format import CONFIG_NAME, SAFETENSORS_NAME
 from workers.adapters import AdapterManager

@@ -14,7 +14,7 @@ from deployments.config import LLMConfig
 from deployments.errors import ModelNotFoundError, classify, error_body
 from deployments.metrics import render_prometheus
 from lora.errors import AdapterNotFoundError, AdapterRankError
-from workers.async_engine import EngineDeadError, RequestError
+from workers.errors import EngineDeadError, RequestError
 from workers.device import PLATFORMS
 from workers.ray_utils import worker_bundle_indices
 

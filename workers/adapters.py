@@ -18,7 +18,8 @@ import itertools
 
 import torch
 
-from lora.adapter import LoRAAdapter, LoRAModelSpec, check_adapter_name, load_adapter
+from lora.adapter import LoRAAdapter, LoRAModelSpec, load_adapter
+from lora.names import check_adapter_name
 from lora.cache import HostAdapterCache
 from lora.errors import AdapterError, AdapterNotFoundError
 from lora.modules import EXPERT_MODULES

@@ -26,6 +26,7 @@ from typing import Any, AsyncIterator, Callable
 from lora.errors import AdapterLoadTimeoutError
 from workers.config import EngineConfig, SamplingParams
 from workers.engine import LLMEngine, Prompt
+from workers.errors import EngineDeadError, RequestError
 from workers.limits import check_prompt
 from workers.output import RequestState
 from workers.sequence import RequestOutput, TokenDelta
@@ -33,14 +34,6 @@ from workers.stream import RequestStream
 from workers.tokenizer import PromptEncoder, load_tokenizer
 
 BUSY_WAIT_S = 0.001   # pause when work exists but nothing could run (an adapter is loading)
-
-
-class EngineDeadError(RuntimeError):
-    """The step loop is gone (it crashed or the engine was closed)."""
-
-
-class RequestError(RuntimeError):
-    """The engine ended this request with an error (its message says why)."""
 
 
 class AsyncLLMEngine:

@@ -4,8 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from lora.backend_names import BACKENDS as LORA_BACKENDS
 from lora.modules import SUPPORTED_MODULES as SUPPORTED_LORA_MODULES
-from lora.backends import BACKENDS as LORA_BACKENDS
 from workers.device import PLATFORMS
 from workers.grammar import StructuredSpec
 DTYPES = ("auto", "float32", "bfloat16", "float16")

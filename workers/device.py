@@ -1,11 +1,17 @@
-"""Platforms: cpu / cuda / npu. `torch_npu` is imported only on the npu platform."""
+"""Platforms: cpu / cuda / npu. `torch_npu` is imported only on the npu platform.
+
+torch is imported where a platform touches a device, not at the top: validating a config (the ingress, the
+CLI) needs only the names and rules here, and the ingress imports no torch (tests/test_ingress_imports.py).
+"""
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -17,14 +23,17 @@ class Platform:
     supports_graphs: bool
 
     def torch_device(self, index: int = 0) -> torch.device:
+        import torch
         return torch.device("cpu") if self.name == "cpu" else torch.device(self.name, index)
 
     def set_device(self, index: int) -> None:
         if self.name != "cpu":
+            import torch
             getattr(torch, self.name).set_device(index)
 
     def graph(self):
         """A new device graph object (CUDAGraph / NPUGraph)."""
+        import torch
         if self.name == "cuda":
             return torch.cuda.CUDAGraph()
         if self.name == "npu":
@@ -32,6 +41,7 @@ class Platform:
         raise RuntimeError("graph capture is not available on cpu")
 
     def graph_context(self, graph, pool=None):
+        import torch
         return getattr(torch, self.name).graph(graph, pool=pool)
 
     def default_dtype(self, checkpoint_dtype: str | None) -> str:
@@ -40,6 +50,7 @@ class Platform:
         without (bf16 would be emulated, slower). fp32 checkpoints stay fp32: `--dtype bfloat16` opts in. A 310P
         NPU has no bf16: 16 bits are fp16 there. Its name is read from the device this process sees; a process that sees none (a TP > 1 replica: Ray hides the
         NPUs from it) cannot tell, and a 310P deployment of that kind sets `dtype: float16` itself."""
+        import torch
         half = "bfloat16"
         if self.name == "npu":
             try:   # torch_npu is loaded on this platform (get_platform); a hidden device reads as none
@@ -57,6 +68,7 @@ class Platform:
 
     def synchronize(self) -> None:
         if self.name != "cpu":
+            import torch
             getattr(torch, self.name).synchronize()
 
 
@@ -82,6 +94,7 @@ def _npu_available() -> bool:
         import torch_npu  # noqa: F401  (registers torch.npu)
     except Exception:  # an installed torch_npu without CANN fails to import
         return False
+    import torch
     return torch.npu.is_available()
 
 
@@ -99,6 +112,7 @@ def check_device_resource(device: str, device_resource: str | None) -> None:
 
 def get_platform(device: str = "auto", device_resource: str | None = None) -> Platform:
     """The platform for `device` ("auto" picks npu, then cuda, then cpu), reserving `device_resource` if given."""
+    import torch
     if device == "auto":
         device = "npu" if _npu_available() else "cuda" if torch.cuda.is_available() else "cpu"
     if device not in PLATFORMS:

@@ -10,12 +10,11 @@ from collections.abc import Callable
 import torch
 
 from lora import ops
+from lora.backend_names import BACKENDS, DEFAULTS
 from lora.backends import ascend, cpu_sgmv
 from lora.backends.base import LoRABackend
 
 log = logging.getLogger(__name__)
-BACKENDS = ("torch_native", "cpu", "ascend")   # EngineConfig.lora_backend
-DEFAULTS = {"cpu": "cpu", "cuda": "torch_native", "npu": "ascend"}   # by device type
 
 
 def get_backend(name: str | None, device: torch.device | str, dtype: torch.dtype, max_rank: int) -> LoRABackend:
