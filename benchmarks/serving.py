@@ -128,9 +128,11 @@ def summarize(results: list[dict], wall: float) -> dict:
             "failed": len(results) - len(ok), "errors": sorted({r["error"] for r in results if r["error"]})[:5]}
 
 
-def bench_config(model_dir, paths, load: ServingLoad, sizes: Sizes, dtype: str) -> dict:
-    """LLMConfig arguments of the served model; the engine-alone mode builds its engine from the same."""
+def bench_config(model_dir, paths, load: ServingLoad, sizes: Sizes, dtype: str, engine_process: bool = True) -> dict:
+    """LLMConfig arguments of the served model; the engine-alone mode builds its engine from the same.
+    `engine_process`: False runs the replica's engine on a thread of the replica (LLMConfig.engine_process)."""
     return dict(model=str(model_dir), served_model_name="bench", device="cpu", dtype=dtype, num_replicas=1,
+                engine_process=engine_process,
                 adapters={f"lora-{i:04d}": str(p) for i, p in enumerate(paths)},
                 max_num_seqs=sizes.batch, max_loras_per_batch=sizes.max_loras_per_batch,
                 max_loaded_loras=sizes.max_loaded_loras, max_lora_rank=sizes.rank,
@@ -140,7 +142,7 @@ def bench_config(model_dir, paths, load: ServingLoad, sizes: Sizes, dtype: str) 
 
 
 def run(sizes: Sizes = FULL, load: ServingLoad = ServingLoad(), dtype: str = "bfloat16", log=print,
-        rates: tuple[float, ...] | None = None) -> dict:
+        rates: tuple[float, ...] | None = None, engine_process: bool = True) -> dict:
     """One deployment; the load at each of `rates` (default: load.rate) after one warm-up."""
     from workers.ray_utils import free_port, init_local_ray
 
@@ -158,8 +160,8 @@ def run(sizes: Sizes = FULL, load: ServingLoad = ServingLoad(), dtype: str = "bf
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         started = time.perf_counter()
-        serve.run(build_app(bench_config(model_dir, paths, load, sizes, dtype)), name="bench", route_prefix="/",
-                  blocking=False)
+        app = build_app(bench_config(model_dir, paths, load, sizes, dtype, engine_process))
+        serve.run(app, name="bench", route_prefix="/", blocking=False)
         url = f"http://127.0.0.1:{port}"
         log(f"[serving] deployed in {time.perf_counter() - started:.0f} s")
         naming = lambda adapter: model_name("bench", adapter)  # noqa: E731
@@ -201,22 +203,42 @@ def warm_requests(load: ServingLoad, sizes: Sizes) -> list[dict]:
 
 
 def serve_cpu_seconds() -> dict[str, float]:
-    """CPU seconds (user + system) so far of the Serve processes: ingress, LLM replica, HTTP proxy."""
+    """CPU seconds (user + system) so far of the Serve processes: ingress, LLM replica (with its engine process),
+    HTTP proxy."""
     from ray._private import state
 
-    ticks = os.sysconf("SC_CLK_TCK")
     roles = {"OpenAIIngress": "ingress", "LLMServer": "llm_replica", "ProxyActor": "proxy"}
     out: dict[str, float] = {}
     for actor in state.actors().values():
         role = next((r for key, r in roles.items() if key in actor["ActorClassName"]), None)
-        if role is None or actor["State"] != "ALIVE":
-            continue
-        try:
-            fields = open(f"/proc/{actor['Pid']}/stat").read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        out[role] = out.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / ticks   # utime + stime
+        if role is not None and actor["State"] == "ALIVE":
+            out[role] = out.get(role, 0.0) + sum(map(process_cpu_seconds, process_tree(actor["Pid"])))
     return out
+
+
+def process_tree(root: int) -> list[int]:
+    """`root` and its live descendants (a replica's engine process is its child)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                ppid = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    tree, todo = [], [root]
+    while todo:
+        tree.append(pid := todo.pop())
+        todo += children.get(pid, [])
+    return tree
+
+
+def process_cpu_seconds(pid: int) -> float:
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except OSError:   # gone meanwhile
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # utime + stime
 
 
 def replace_arrival(request: dict, arrival: float) -> dict:
@@ -233,11 +255,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--adapters", type=int, default=defaults.num_adapters)
     parser.add_argument("--alpha", type=float, default=defaults.alpha)
     parser.add_argument("--out", default=None, help="write the result here (default results/serving_bfloat16.json)")
+    parser.add_argument("--engine-thread", action="store_true",
+                        help="the replica's engine on a thread of the replica, not in a process of its own")
     args = parser.parse_args(argv)
     load = replace(defaults, rate=args.rate, cv=args.cv, num_requests=args.requests, num_adapters=args.adapters,
                    alpha=args.alpha)
     rates = tuple(float(r) for r in args.rates.split(",")) if args.rates else None
-    data = run(FULL, load, rates=rates)
+    data = run(FULL, load, rates=rates, engine_process=not args.engine_thread)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(data, f, indent=1)

@@ -1,17 +1,17 @@
 """The serving path's cost: HTTP through Serve against the engine alone, under the same arrivals, alternating.
 
-    .venv/bin/python -m benchmarks.serving_path [--before 7f7b849] [--rounds 2] [--rates 2,8]
+    .venv/bin/python -m benchmarks.serving_path [--rounds 2] [--rates 2,8]
 
-Five variants, each a process of its own running both rates (benchmarks.serving's load, 8 adapters):
-the engine alone (benchmarks.serving_engine, this tree: the replica's engine, one core left to Serve;
-and again on every core), HTTP through Serve (this tree, with the Ray
-settings of workers/ray_utils.py SERVING_RAY_ENV), the same under Ray's defaults (workers at nice 15,
-Serve's default mode), and HTTP through Serve at the `--before` revision under Ray's defaults (checked
-out as benchmarks.ab does; the same driver file runs with that tree first on the path, so only the
-served code differs). Rounds alternate the order.
+Four variants, each a process of its own running both rates (benchmarks.serving's load, 8 adapters):
+the engine alone (benchmarks.serving_engine: the replica's engine, one core left to Serve, on a thread of
+the benchmark's process; and again on every core), HTTP through Serve as served (the replica's engine in a
+process of its own, LLMConfig.engine_process) and HTTP through Serve with the engine on a thread of the
+replica (`--no-engine-process`), both with the Ray settings of workers/ray_utils.py SERVING_RAY_ENV.
+Rounds alternate the order.
 Reported per round and as medians: HTTP TPOT p50 / engine TPOT p50, HTTP / engine output tokens/s,
-and CPU seconds per generated token of the ingress replica (also the LLM replica and the HTTP proxy),
-read from /proc of each Serve actor around the timed load. Writes results/serving_path.{json,md}.
+and CPU seconds per generated token of the ingress replica (also the LLM replica with its engine process,
+and the HTTP proxy), read from /proc of each Serve actor around the timed load. Writes
+results/serving_path.{json,md}.
 """
 from __future__ import annotations
 
@@ -23,29 +23,24 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.ab import checkout
 from benchmarks.checkpoint import cache_root
 from benchmarks.common import RESULTS, machine_info, median, write_result
-from workers.ray_utils import SERVING_RAY_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGETS = {"tpot_ratio": 1.10, "throughput_ratio": 0.95}
-# Ray's own defaults for the same keys, as a cluster started without SERVING_RAY_ENV has them (the others
-# are the defaults already: Serve's default mode has no direct ingress and writes each log line at once).
-RAY_DEFAULTS = dict(SERVING_RAY_ENV, RAY_worker_niceness="15", RAY_SERVE_THROUGHPUT_OPTIMIZED="0")
-VARIANTS = ("engine", "http", "http_ray_defaults", "http_before", "engine_all_cores")
-HTTP = VARIANTS[1:4]
+VARIANTS = ("engine", "http", "http_engine_thread", "engine_all_cores")
+HTTP = VARIANTS[1:3]
+FLAGS = {"engine_all_cores": ["--cpu-reserved-cores", "0"], "http_engine_thread": ["--engine-thread"]}
 
 
-def run_variant(variant: str, tree: Path, rates: str, requests: int, log) -> dict:
-    """One variant's process; every variant but `http` under Ray's defaults (the engine alone starts no Ray)."""
+def run_variant(variant: str, rates: str, requests: int, log) -> dict:
+    """One variant's process (the engine alone starts no Ray)."""
     out = Path(tempfile.mkstemp(prefix="serving-path-", suffix=".json")[1])
     script = ROOT / "benchmarks" / ("serving_engine.py" if variant.startswith("engine") else "serving.py")
-    env = dict(os.environ, PYTHONPATH=str(tree), LORASERVE_BENCH_CACHE=str(cache_root()),
-               **({} if variant == "http" else RAY_DEFAULTS))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), LORASERVE_BENCH_CACHE=str(cache_root()))
     cmd = [sys.executable, str(script), "--rates", rates, "--adapters", "8", "--requests", str(requests),
-           "--out", str(out)] + (["--cpu-reserved-cores", "0"] if variant == "engine_all_cores" else [])
-    done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=1800)
+           "--out", str(out)] + FLAGS.get(variant, [])
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"{variant} failed:\n{done.stderr[-3000:]}")
     log("\n".join(line for line in done.stdout.splitlines() if line.startswith("[")))
@@ -71,21 +66,18 @@ def ratios(got: dict, rate: float) -> dict:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--before", default="7f7b849")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--rates", default="2,8")
     parser.add_argument("--requests", type=int, default=60, help="per rate (the issue's load: 60)")
     args = parser.parse_args(argv)
-    trees = {"engine": ROOT, "http": ROOT, "http_ray_defaults": ROOT, "http_before": checkout(args.before),
-             "engine_all_cores": ROOT}
     rates = [float(r) for r in args.rates.split(",")]
     rounds = []
     for i in range(args.rounds):
         order = VARIANTS if i % 2 == 0 else VARIANTS[::-1]
-        got = {v: run_variant(v, trees[v], args.rates, args.requests, print) for v in order}
+        got = {v: run_variant(v, args.rates, args.requests, print) for v in order}
         rounds.append({"order": order, "results": got, "ratios": {rate: ratios(got, rate) for rate in rates}})
         print(json.dumps(rounds[-1]["ratios"], indent=1), flush=True)
-    data = {"benchmark": "serving_path", "before": args.before, "rates": rates, "num_requests": args.requests,
+    data = {"benchmark": "serving_path", "rates": rates, "num_requests": args.requests,
             "machine": machine_info(), "targets": TARGETS, "rounds": rounds,
             "median": {rate: medians(rounds, rate) for rate in rates}}
     write_result("serving_path", data)
@@ -111,13 +103,14 @@ def section(data: dict) -> str:
     lines = ["### The serving path: HTTP through Serve against the engine alone", "",
              f"benchmarks/serving_path.py: {len(data['rounds'])} rounds, variants alternated in each; "
              f"{data['num_requests']} streamed requests per rate, Poisson arrivals, 8 adapters, bench checkpoint "
-             f"bf16, the settings of benchmarks/common.py. HTTP = this tree with the Ray settings (README \"Ray "
-             f"settings\"); Ray defaults = this tree without them; before = {data['before']} without them. "
-             "The engine alone is the replica's engine (the same LLMConfig: one core left to Serve, "
-             "`cpu_reserved_cores`); the last columns set it on every core. Medians over rounds.", "",
-             "| rate | engine TPOT p50 | HTTP TPOT p50 (HTTP / Ray defaults / before) | HTTP / engine TPOT (target "
-             f"<= {TARGETS['tpot_ratio']}) | TTFT p99 engine / HTTP / Ray defaults / before | out tok/s engine / "
-             f"HTTP / Ray defaults / before | HTTP / engine tok/s (target >= {TARGETS['throughput_ratio']}) | "
+             "bf16, the settings of benchmarks/common.py, the Ray settings of README \"Ray settings\". HTTP = as "
+             "served: the replica's engine in a process of its own (`engine_process`); engine thread = "
+             "`--no-engine-process`. The engine alone is the replica's engine (the same LLMConfig: one core left "
+             "to Serve, `cpu_reserved_cores`) on a thread of the benchmark; the last columns set it on every "
+             "core. Medians over rounds.", "",
+             "| rate | engine TPOT p50 | HTTP TPOT p50 (HTTP / engine thread) | HTTP / engine TPOT (target "
+             f"<= {TARGETS['tpot_ratio']}) | TTFT p99 engine / HTTP / engine thread | out tok/s engine / "
+             f"HTTP / engine thread | HTTP / engine tok/s (target >= {TARGETS['throughput_ratio']}) | "
              "engine on every core: TPOT p50, HTTP / it TPOT, HTTP / it tok/s |",
              "|---|---|---|---|---|---|---|---|"]
     for rate in data["rates"]:
@@ -125,15 +118,15 @@ def section(data: dict) -> str:
         e = m["engine"]
         tpot = " / ".join(f"{m[v]['tpot_p50_ms']:.1f}" for v in HTTP)
         tpot_ratio = " / ".join(f"{m[f'tpot_{v}_over_engine']:.2f}" for v in HTTP)
-        ttft = " / ".join(f"{m[v]['ttft_p99_ms']:.0f}" for v in VARIANTS[:4])
-        tok = " / ".join(f"{m[v]['output_tok_s']:.1f}" for v in VARIANTS[:4])
+        ttft = " / ".join(f"{m[v]['ttft_p99_ms']:.0f}" for v in VARIANTS[:3])
+        tok = " / ".join(f"{m[v]['output_tok_s']:.1f}" for v in VARIANTS[:3])
         tok_ratio = " / ".join(f"{m[f'tok_s_{v}_over_engine']:.2f}" for v in HTTP)
         a = m["engine_all_cores"]
         lines.append(f"| {rate:g} req/s | {e['tpot_p50_ms']:.1f} ms | {tpot} ms | **{tpot_ratio}** | {ttft} ms | "
                      f"{tok} | **{tok_ratio}** | {a['tpot_p50_ms']:.1f} ms, "
                      f"{m['tpot_http_over_engine_all_cores']:.2f}, {m['tok_s_http_over_engine_all_cores']:.2f} |")
-    lines += ["", "CPU milliseconds per generated token (process CPU of each Serve actor during the timed load; "
-              "HTTP / Ray defaults / before):", "",
+    lines += ["", "CPU milliseconds per generated token (process CPU of each Serve actor during the timed load, the "
+              "replica's with its engine process; HTTP / engine thread):", "",
               "| rate | ingress | LLM replica | HTTP proxy |", "|---|---|---|---|"]
     for rate in data["rates"]:
         m = data["median"][rate]

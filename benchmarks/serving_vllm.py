@@ -22,7 +22,7 @@ from benchmarks.checkpoint import build_adapters, build_checkpoint
 from benchmarks.common import FULL, RESULTS, machine_info, median, write_result
 from benchmarks.peer_vllm import vllm_server, wait_healthy
 from benchmarks.serving import ServingLoad, drive, loads_at, make_requests, summarize, warm_requests
-from benchmarks.serving_path import ROOT, run_variant
+from benchmarks.serving_path import run_variant
 from benchmarks.throughput import adapter_name
 
 
@@ -69,7 +69,7 @@ def main(argv=None) -> dict:
         for system in SYSTEMS[i % len(SYSTEMS):] + SYSTEMS[:i % len(SYSTEMS)]:
             if system == "ours":
                 got["ours"] = {rate: r["summary"] for rate, r in
-                               run_variant("http", ROOT, args.rates, args.requests, print).items()}
+                               run_variant("http", args.rates, args.requests, print).items()}
             else:
                 got[system] = run_vllm(load, rates, omp_bind=VLLM_SYSTEMS[system])
         pairs.append(got)

@@ -72,10 +72,9 @@ class AdapterMirror:
             return time.perf_counter() - start
 
     async def load(self, name: str, source: str) -> tuple[float, str]:
-        """Hot-load: validate by loading here, publish, and wait until every replica has applied it.
+        """Hot-load (its name checked by the caller, ReplicaAdapters): validate by loading here, publish, and
+        wait until every replica has applied it.
         Returns (seconds, "loaded" | "replaced" | "unchanged": workers/adapters.py's versions)."""
-        if not name or ":" in name:
-            raise AdapterError(f"adapter name {name!r} must be non-empty and contain no ':'")
         async with self._lock:
             start = time.perf_counter()
             try:

@@ -67,6 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      help="run long prompts in chunks beside the running decodes (default: on)")
     run.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                      help="reuse the KV of prompt prefixes seen before, per adapter (default: on)")
+    run.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                     help="the engine in a process of its own beside each replica (TP=1; vLLM's EngineCore)")
     run.add_argument("--host", default="127.0.0.1")
     run.add_argument("--port", type=int, default=8000)
     run.add_argument("--name", default=DEFAULT_APP_NAME, help="Serve application name")
@@ -103,7 +105,7 @@ def config_from_args(args: argparse.Namespace) -> LLMConfig:
             raise SystemExit(f"--lora expects NAME=SOURCE, got {item!r}")
         adapters[name] = source
     return LLMConfig(model=args.model or DEMO_MODEL, adapters=adapters, num_replicas=args.replicas,
-                     api_key=args.api_key, enable_hotload=args.enable_hotload,
+                     api_key=args.api_key, enable_hotload=args.enable_hotload, engine_process=args.engine_process,
                      placement_timeout_s=args.placement_timeout or None, engine_kwargs=_engine_kwargs(args))
 
 

@@ -54,6 +54,9 @@ class LLMConfig(BaseModel):
     # A stream's events ready within this window go to the ingress as one item (deployments/stream_batch.py):
     # several decode steps on an accelerator, less than one on a CPU; it adds at most this to a token's latency
     stream_batch_interval_ms: float = Field(10.0, ge=0, le=1000)
+    # The engine in a process of its own (workers/engine_process.py, vLLM's EngineCore) when it runs in the
+    # replica's process (TP=1): its steps no longer share the GIL with the replica's streaming. False: a thread.
+    engine_process: bool = True
     # A replica that cannot be placed fails the deployment instead of waiting: at once when no node could
     # ever hold it, after this many seconds when the cluster is busy (the CLI). None: wait, e.g. for a
     # cluster autoscaler to add a node (see deployments/placement.py).

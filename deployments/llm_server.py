@@ -33,7 +33,7 @@ from lora.errors import AdapterNotFoundError
 from lora.sources import is_hub_id
 from workers.async_engine import AsyncLLMEngine
 from workers.config import SamplingParams
-from workers.engine import LLMEngine
+from workers.engine_process import EngineProcess, runs_in_process
 from workers.limits import check_prompt, check_token_ids, room_to_generate
 from workers.output import TokenNames
 from workers.sequence import RequestOutput
@@ -60,7 +60,7 @@ class LLMServer(ReplicaAdapters):
         self._hotload_hub = config.engine_config().hub_adapters_allowed   # for callers: the hot-load roots' rule
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
-        self.engine = AsyncLLMEngine(await asyncio.to_thread(_build_engine, config))   # minutes for a big model
+        self.engine = await asyncio.to_thread(_start_engine, config)   # minutes for a big model
         self._token_names = TokenNames(self.engine.decode_tokenizer)
         self._batch_window_s = config.stream_batch_interval_ms / 1e3
         self.metrics = ServerMetrics()
@@ -202,7 +202,7 @@ class LLMServer(ReplicaAdapters):
         adapter = await self._adapter_for_request()   # an unknown adapter is a 404 before anything else
         prompt, params = await self._prepare(prompt, sampling_params, messages, tools)
         if params.structured is not None:   # an invalid schema is a 400 here, before any choice is queued
-            await asyncio.wrap_future(self.engine.engine.grammars.compile(params.structured))
+            await self.engine.check_grammar(params.structured)
         return adapter, prompt, params
 
     async def _outputs(self, adapter: str | None, prompt: list[int], params: SamplingParams,
@@ -260,7 +260,7 @@ class LLMServer(ReplicaAdapters):
         return out
 
     async def detokenize(self, tokens: list[int]) -> str:
-        check_token_ids(tokens, self.engine.engine.runtime.hf_config.vocab_size, "tokens")
+        check_token_ids(tokens, self.engine.vocab_size, "tokens")
         return self.engine.decode_tokenizer.decode(tokens)
 
     # ---- health and stats ---------------------------------------------------------------------------
@@ -295,11 +295,15 @@ class LLMServer(ReplicaAdapters):
             await asyncio.to_thread(self.engine.close)
 
 
-def _build_engine(config: LLMConfig) -> LLMEngine:
+def _start_engine(config: LLMConfig) -> AsyncLLMEngine:
     for name, source in config.adapters.items():   # before minutes of model loading: a plain, early reason
         if not is_hub_id(source) and not os.path.isdir(source):
             raise AdapterNotFoundError(f"configured adapter {name!r}: {source!r} is not a directory on this node")
-    engine = LLMEngine(config.replica_engine_config())   # the hot-load roots do not apply to configured adapters
+    engine_config = config.replica_engine_config()   # the hot-load roots do not apply to configured adapters
+    if config.engine_process and runs_in_process(engine_config):
+        return EngineProcess(engine_config, config.adapters)   # a bad configured adapter fails the start
+    from workers.engine import LLMEngine   # torch: only the process that runs the engine loads it
+    engine = LLMEngine(engine_config)
     for name, source in config.adapters.items():   # a bad configured adapter fails the deployment, loudly
         engine.load_adapter(name, source)
-    return engine
+    return AsyncLLMEngine(engine)

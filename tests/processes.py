@@ -63,6 +63,18 @@ def process_tree(root: int) -> list[int]:
     return tree
 
 
+def engine_processes(root: int) -> list[int]:
+    """The engine processes (workers/engine_process.py) among `root`'s descendants."""
+    found = []
+    for pid in process_tree(root)[1:]:
+        try:
+            if b"workers.engine_process" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(pid)
+        except OSError:   # exited meanwhile
+            pass
+    return found
+
+
 def listening_sockets(pids: list[int]) -> list[Listener]:
     """Every TCP and TCP6 socket in LISTEN state held by one of `pids` (socket inode -> owning fd)."""
     listening: dict[str, str] = {}

@@ -1,4 +1,7 @@
-"""AsyncLLMEngine: streams equal the sync engine, leaving early aborts, errors reach the caller, nothing is dropped."""
+"""AsyncLLMEngine: streams equal the sync engine, leaving early aborts, errors reach the caller, nothing is dropped.
+
+Each contract test runs on both kinds: the engine on a thread of the caller's process, and in a process of
+its own (workers/engine_process.py, a replica's default)."""
 import asyncio
 import shutil
 import time
@@ -9,6 +12,7 @@ from factories import PROMPTS, make_adapter
 from lora.errors import AdapterNotFoundError
 from workers import EngineConfig, LLMEngine, SamplingParams
 from workers.async_engine import AsyncLLMEngine, EngineDeadError, RequestError
+from workers.engine_process import EngineProcess
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 LONG = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
@@ -28,9 +32,18 @@ def config(model, **kw):
     return EngineConfig(model=str(model), device="cpu", max_model_len=256, **kw)
 
 
+def start(kind: str, engine_config: EngineConfig) -> AsyncLLMEngine:
+    return AsyncLLMEngine(LLMEngine(engine_config)) if kind == "thread" else EngineProcess(engine_config)
+
+
+@pytest.fixture(params=["thread", "process"])
+def kind(request):
+    return request.param
+
+
 @pytest.fixture()
-def aengine(model):
-    engine = AsyncLLMEngine(LLMEngine(config(model)))
+def aengine(model, kind):
+    engine = start(kind, config(model))
     yield engine
     engine.close()
 
@@ -118,9 +131,9 @@ def test_caller_errors_are_raised_and_the_engine_keeps_serving(aengine):
     assert out.finish_reason == "length" and stats["free_kv_blocks"] == stats["total_kv_blocks"]
 
 
-def test_a_failed_adapter_load_ends_its_request_with_an_error(model, adapter, tmp_path):
+def test_a_failed_adapter_load_ends_its_request_with_an_error(model, adapter, tmp_path, kind):
     # capacity 1: loading "b" evicts "a" from host memory, so "a" is reloaded (from a deleted dir) on use
-    aengine = AsyncLLMEngine(LLMEngine(config(model, max_loras_per_batch=1, max_loaded_loras=1)))
+    aengine = start(kind, config(model, max_loras_per_batch=1, max_loaded_loras=1))
     doomed = shutil.copytree(adapter, tmp_path / "doomed")
 
     async def main():

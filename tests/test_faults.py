@@ -1,5 +1,5 @@
 """Faults while streams are in flight (local Ray on loopback, bounded): a killed TP rank, a killed LLMServer
-replica and a killed adapter registry; an unload under load.
+replica, a killed engine process and a killed adapter registry; an unload under load.
 
 A kill that takes the streams' replica down errors them within ERROR_BOUND_S and the service answers again
 within RECOVERY_BOUND_S, still serving the hot-loaded adapter with the same tokens; a killed registry fails
@@ -18,6 +18,7 @@ import pytest
 import requests
 
 from factories import PROMPTS, make_adapter
+from processes import engine_processes
 from serve_fixtures import local_serve, wait_until
 
 pytestmark = pytest.mark.own_cluster   # kills replicas, ranks and registries of its own cluster
@@ -149,6 +150,16 @@ def test_a_killed_tp_rank_errors_the_streams_and_the_replica_is_replaced(apps):
 def test_a_killed_replica_errors_the_streams_and_serve_replaces_it(apps):
     [replica] = pids_of("ServeReplica:one:LLMServer")
     check_a_kill(f"{apps}/one", "one", lambda: os.kill(replica, signal.SIGKILL))
+
+
+def test_a_killed_engine_process_errors_the_streams_and_serve_replaces_its_replica(apps):
+    """The TP=1 replica's engine runs in a child process (LLMConfig.engine_process): killed, the replica's
+    health check fails and Serve starts another, with an engine process of its own."""
+    [replica] = pids_of("ServeReplica:one:LLMServer")
+    [engine] = engine_processes(replica)
+    check_a_kill(f"{apps}/one", "one", lambda: os.kill(engine, signal.SIGKILL))
+    [new_replica] = pids_of("ServeReplica:one:LLMServer")
+    assert new_replica != replica and len(engine_processes(new_replica)) == 1
 
 
 def test_a_killed_registry_fails_no_stream_and_is_back_with_every_adapter(apps, files):

@@ -21,17 +21,20 @@ import concurrent.futures
 import itertools
 import queue
 import threading
-from typing import Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from lora.errors import AdapterLoadTimeoutError
 from workers.config import EngineConfig, SamplingParams
-from workers.engine import LLMEngine, Prompt
 from workers.errors import EngineDeadError, RequestError
+from workers.grammar import StructuredSpec
 from workers.limits import check_prompt
 from workers.output import RequestState
 from workers.sequence import RequestOutput, TokenDelta
 from workers.stream import RequestStream
 from workers.tokenizer import PromptEncoder, load_tokenizer
+
+if TYPE_CHECKING:   # the engine (torch) is loaded by whoever builds one: a replica whose engine runs in a
+    from workers.engine import LLMEngine, Prompt   # process of its own never imports it
 
 BUSY_WAIT_S = 0.001   # pause when work exists but nothing could run (an adapter is loading)
 
@@ -39,27 +42,35 @@ BUSY_WAIT_S = 0.001   # pause when work exists but nothing could run (an adapter
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
-        path, max_len = engine.runtime.model_path, engine.runtime.max_model_len
-        self.encoder = PromptEncoder(path, max_len)
-        self.decode_tokenizer = load_tokenizer(path)   # readers' only (their incremental text, token names)
+        self._front(engine.runtime.model_path, engine.runtime.max_model_len)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._streams: dict[str, RequestStream] = {}
-        self._streams_lock = threading.Lock()
-        self._ids = itertools.count()
         self._active: set[str] = set()   # added and not yet seen finished; step thread only
-        self._dead: EngineDeadError | None = None
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="llm-engine-step", daemon=True)
         self._thread.start()
 
+    def _front(self, model_path: str, max_model_len: int) -> None:
+        """The callers' side: tokenizers and the requests' streams (workers/engine_process.py has only this)."""
+        self.encoder = PromptEncoder(model_path, max_model_len)
+        self.decode_tokenizer = load_tokenizer(model_path)   # readers' only (their incremental text, token names)
+        self._streams: dict[str, RequestStream] = {}
+        self._streams_lock = threading.Lock()
+        self._ids = itertools.count()
+        self._dead: EngineDeadError | None = None
+
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncLLMEngine:
+        from workers.engine import LLMEngine
         return cls(LLMEngine(config))
 
     @property
     def max_model_len(self) -> int:
         return self.engine.runtime.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.runtime.hf_config.vocab_size
 
     async def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                           add_special_tokens: bool = False, tools: list[dict] | None = None) -> list[int]:
@@ -77,25 +88,22 @@ class AsyncLLMEngine:
         check_prompt(prompt)
         if isinstance(prompt, str):
             prompt = await self.encoder.encode(prompt)
-        grammar = None   # compiled on the grammar thread (cached by spec); an invalid one raises here, unqueued
-        if params.structured is not None:
-            grammar = await asyncio.wrap_future(self.engine.grammars.compile(params.structured))
         state = RequestState(request_id, list(prompt), params, self.decode_tokenizer, adapter)
         stream = RequestStream(asyncio.get_running_loop())
         with self._streams_lock:
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
-            self._streams[request_id] = stream   # before add_request, so no output can be missed
+            self._streams[request_id] = stream   # before it is queued, so no output can be missed
         added = ended = False
         try:
-            await self._call(self._add, state.prompt_token_ids, params, adapter, request_id, grammar)
+            await self._enqueue(state.prompt_token_ids, params, adapter, request_id)
             added = True
             while not state.finished:
                 stopped = False
                 for item in await stream.get():
                     stopped = state.update(item) or stopped
                 if stopped:   # a stop string: the engine stops generating it (a token or two may still come)
-                    self._submit(self._drop, request_id)
+                    self._release(request_id)
                     ended = True
                 if state.finish_reason == "error":
                     raise RequestError(state.error or f"request {request_id!r} failed")
@@ -105,10 +113,34 @@ class AsyncLLMEngine:
             with self._streams_lock:
                 self._streams.pop(request_id, None)
             if added and not ended and self._dead is None:
-                self._submit(self._drop, request_id)   # the reader left: free its KV and adapter
+                self._release(request_id)   # the reader left: free its KV and adapter
+
+    async def check_grammar(self, spec: StructuredSpec) -> None:
+        """Compile a structured-output spec (cached by spec, on the grammar thread); an invalid one raises."""
+        await self._grammar(spec)
+
+    async def _grammar(self, spec: StructuredSpec | None):
+        return None if spec is None else await asyncio.wrap_future(self.engine.grammars.compile(spec))
+
+    async def _enqueue(self, prompt: list[int], params: SamplingParams, adapter: str | None,
+                       request_id: str) -> None:
+        """Queue a request in the engine (its grammar compiled first: an invalid one raises here, unqueued)."""
+        await self._call(self._add, prompt, params, adapter, request_id, await self._grammar(params.structured))
+
+    def _release(self, request_id: str) -> None:
+        """The engine stops a request and frees its KV and adapter (its reader has what it wants)."""
+        self._submit(self._drop, request_id)
 
     async def abort(self, request_id: str) -> None:
-        await self._call(self._abort, request_id)
+        """Stop a request; its reader gets a last output with finish_reason 'abort'."""
+        await self._drop_now(request_id)
+        with self._streams_lock:
+            stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put_threadsafe(TokenDelta(request_id, [], [], "abort"))
+
+    async def _drop_now(self, request_id: str) -> None:
+        await self._call(self._drop, request_id)
 
     async def load_adapter(self, name: str, source: str, pinned: bool = False) -> str:
         """Read the files on the adapter load threads (bounded by adapter_load_timeout_s), then register the
@@ -218,21 +250,21 @@ class AsyncLLMEngine:
         self._active.discard(request_id)
         self.engine.abort(request_id)
 
-    def _abort(self, request_id: str) -> None:
-        """An explicit abort also ends the stream, so its reader sees finish_reason 'abort'."""
-        self._drop(request_id)
-        with self._streams_lock:
-            stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.put_threadsafe(TokenDelta(request_id, [], [], "abort"))
-
     def _publish(self, outputs: list[TokenDelta]) -> None:
         self._active.difference_update(out.request_id for out in outputs if out.finished)
+        self._deliver(outputs)
+
+    def _deliver(self, outputs: list[TokenDelta]) -> None:
+        """Each output to its request's stream, on the stream's event loop: one wake-up of each callers' loop
+        a step (a replica's streams all read on one), not one a token."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, TokenDelta]]] = {}
         with self._streams_lock:
-            streams = [(self._streams.get(out.request_id), out) for out in outputs]
-        for stream, out in streams:
-            if stream is not None:
-                stream.put_threadsafe(out)
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    by_loop.setdefault(stream.loop, []).append((stream, out))
+        for items in by_loop.values():
+            items[0][0].call_threadsafe(_put_each, items)
 
     def _fail_lost(self) -> None:
         """Safety net: the engine is idle yet these requests never ended; end them rather than hang."""
@@ -260,3 +292,8 @@ class AsyncLLMEngine:
                 return
             if future.set_running_or_notify_cancel():
                 future.set_exception(error)
+
+
+def _put_each(items: list[tuple[RequestStream, TokenDelta]]) -> None:
+    for stream, out in items:
+        stream.put(out)

@@ -1,0 +1,302 @@
+"""The engine core in a process of its own, as vLLM's EngineCore: the replica keeps the callers' side.
+
+In one process the engine's step thread shares the GIL with the replica's event loop, which streams every
+token of every request through Ray Serve (~0.5 ms of Python a token): under load each step waited for it.
+Here the child process runs the LLMEngine and its step loop (an AsyncLLMEngine whose outputs go down a
+socket, one message per step); the parent, an AsyncLLMEngine without an engine, tokenizes, keeps the
+requests' streams and decodes their text, and asks the child for everything else by name (`_remote`).
+
+One socketpair carries pickled tuples. Parent -> child: ("call", id, method, args) answered by
+("reply", id, ok, value), and ("post", method, args) answered by nothing. Child -> parent: ("ready",
+facts), ("out", [TokenDelta]), ("lost", [request id]), ("dead", message), ("reply", ...). The child exits
+when the socket closes (the replica died or closed it) and the parent fails every stream and call when
+the child goes (EngineDeadError), so Serve's health check replaces the replica.
+
+Only for an engine that runs in the replica's process (TP=1, or distributed_executor inproc): the ranks
+of a Ray executor are actors of their own already, and the child is no Ray worker.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from multiprocessing.connection import Connection
+from typing import Any
+
+from workers.async_engine import AsyncLLMEngine
+from workers.config import EngineConfig
+from workers.errors import EngineDeadError, RequestError
+from workers.grammar import StructuredSpec
+from workers.sequence import TokenDelta
+
+START_TIMEOUT_S = 1800.0   # a big model loads for minutes
+CLOSE_TIMEOUT_S = 30.0
+
+
+def runs_in_process(config: EngineConfig) -> bool:
+    """Whether the engine of `config` runs in its caller's process (what a child process can hold)."""
+    return config.distributed_executor == "inproc" or (
+        config.distributed_executor == "auto" and config.tensor_parallel_size == 1)
+
+
+class EngineProcess(AsyncLLMEngine):
+    """An AsyncLLMEngine whose engine runs in a child process (started here; adapters loaded before ready)."""
+
+    def __init__(self, config: EngineConfig, adapters: dict[str, str] | None = None):
+        if not runs_in_process(config):
+            raise ValueError("an engine process holds an in-process engine (tensor_parallel_size=1 or "
+                             "distributed_executor='inproc'), not the ranks of a Ray executor")
+        ours, theirs = socket.socketpair()
+        self._proc = subprocess.Popen([sys.executable, "-m", "workers.engine_process", str(theirs.fileno())],
+                                      pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+        theirs.close()
+        self._conn = Connection(ours.detach())
+        self._send_lock = threading.Lock()
+        self._calls: dict[int, concurrent.futures.Future] = {}
+        self._call_ids = itertools.count()
+        self.engine = None
+        try:
+            self._send(("start", config, dict(adapters or {})))
+            if not self._conn.poll(START_TIMEOUT_S):
+                raise TimeoutError(f"the engine process did not start in {START_TIMEOUT_S:g}s")
+            kind, *payload = self._conn.recv()
+        except (EOFError, OSError):
+            kind, payload = "failed", [EngineDeadError(f"the engine process exited while starting "
+                                                       f"(exit code {self._proc.wait()})")]
+        except BaseException:
+            self._stop_child()
+            raise
+        if kind != "ready":
+            self._stop_child()
+            raise payload[0]
+        facts = payload[0]
+        self._max_model_len, self._vocab_size = facts["max_model_len"], facts["vocab_size"]
+        self._front(facts["model_path"], facts["max_model_len"])
+        self._reader = threading.Thread(target=self._read, name="llm-engine-process-reader", daemon=True)
+        self._reader.start()
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    # ---- what the child does, asked by name ---------------------------------------------------------
+    async def _enqueue(self, prompt: list[int], params, adapter: str | None, request_id: str) -> None:
+        await self._remote("_enqueue", prompt, params, adapter, request_id)
+
+    def _release(self, request_id: str) -> None:
+        self._post("_release", request_id)
+
+    async def _drop_now(self, request_id: str) -> None:
+        await self._remote("_drop_now", request_id)
+
+    async def check_grammar(self, spec: StructuredSpec) -> None:
+        await self._remote("check_grammar", spec)
+
+    async def load_adapter(self, name: str, source: str, pinned: bool = False) -> str:
+        return await self._remote("load_adapter", name, source, pinned)
+
+    async def unload_adapter(self, name: str) -> None:
+        await self._remote("unload_adapter", name)
+
+    async def list_adapters(self) -> dict[str, str]:
+        return await self._remote("list_adapters")
+
+    async def stats(self) -> dict:
+        return await self._remote("stats")
+
+    def is_healthy(self) -> bool:
+        return self._dead is None and self._proc.poll() is None
+
+    async def check_health(self) -> bool:
+        return self.is_healthy() and await self._remote("check_health")
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            try:
+                self._send(("post", "close", ()))
+            except OSError:
+                pass
+        self._stop_child()
+        self._reader.join(timeout=CLOSE_TIMEOUT_S)
+        self.encoder.close()
+
+    # ---- the socket ---------------------------------------------------------------------------------
+    async def _remote(self, method: str, *args) -> Any:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        call_id = next(self._call_ids)
+        self._calls[call_id] = future
+        if self._dead is not None:   # also after the put: _die fails what it finds
+            self._fail_calls(self._dead)
+        else:
+            self._send_or_die(("call", call_id, method, args))
+        return await asyncio.wrap_future(future)
+
+    def _post(self, method: str, *args) -> None:
+        if self._dead is None:
+            self._send_or_die(("post", method, args))
+
+    def _send(self, message: tuple) -> None:
+        with self._send_lock:
+            self._conn.send(message)
+
+    def _send_or_die(self, message: tuple) -> None:
+        try:
+            self._send(message)
+        except OSError:
+            self._die(EngineDeadError(f"the engine process is gone (exit code {self._proc.poll()})"))
+
+    def _read(self) -> None:
+        try:
+            while True:
+                kind, *payload = self._conn.recv()
+                if kind == "out":
+                    self._deliver(payload[0])
+                elif kind == "reply":
+                    call_id, ok, value = payload
+                    future = self._calls.pop(call_id, None)
+                    if future is not None and future.set_running_or_notify_cancel():
+                        future.set_result(value) if ok else future.set_exception(value)
+                elif kind == "lost":
+                    self._fail_streams(payload[0], "ended in the engine without an output")
+                elif kind == "dead":
+                    self._die(EngineDeadError(payload[0]))
+                    return
+        except (EOFError, OSError):
+            code = self._proc.wait()
+            self._die(EngineDeadError(f"the engine process exited (exit code {code})"))
+
+    def _fail_streams(self, request_ids: list[str], why: str) -> None:
+        with self._streams_lock:
+            streams = [(rid, self._streams.get(rid)) for rid in request_ids]
+        for rid, stream in streams:
+            if stream is not None:
+                stream.put_threadsafe(RequestError(f"request {rid!r} {why}"))
+
+    def _die(self, error: EngineDeadError, cause: BaseException | None = None) -> None:
+        if self._dead is not None:
+            return
+        super()._die(error, cause)
+        self._fail_calls(error)
+
+    def _fail_calls(self, error: BaseException) -> None:
+        for call_id in list(self._calls):
+            future = self._calls.pop(call_id, None)
+            if future is not None and future.set_running_or_notify_cancel():
+                future.set_exception(error)
+
+    def _fail_commands(self, error: BaseException) -> None:   # no command queue on this side
+        pass
+
+    def _stop_child(self) -> None:
+        try:
+            self._proc.wait(timeout=CLOSE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._conn.close()
+
+
+# ---- the child ----------------------------------------------------------------------------------------
+class _ChildEngine(AsyncLLMEngine):
+    """The step loop of the child: outputs, lost requests and its death go to the parent, one message each."""
+
+    def __init__(self, engine, send):
+        self._send = send
+        super().__init__(engine)
+
+    def _deliver(self, outputs: list[TokenDelta]) -> None:
+        self._send(("out", outputs))
+
+    def _fail_lost(self) -> None:
+        self._send(("lost", list(self._active)))
+        self._active.clear()
+
+    def _die(self, error: EngineDeadError, cause: BaseException | None = None) -> None:
+        super()._die(error, cause)
+        try:
+            self._send(("dead", str(error)))
+        except OSError:   # the parent is gone
+            pass
+
+
+def _serve(conn: Connection) -> None:
+    lock = threading.Lock()
+
+    def send(message: tuple) -> None:
+        with lock:
+            conn.send(message)
+
+    def send_safely(*message) -> None:
+        """`message`, or, when its last part does not pickle (an exotic error), that part as a RuntimeError."""
+        try:
+            send(message)
+        except (pickle.PicklingError, TypeError, AttributeError, ValueError) as exc:
+            send((*message[:-1], RuntimeError(f"{message[-1]!r} ({exc})")))
+
+    kind, config, adapters = conn.recv()
+    assert kind == "start", kind
+    try:
+        from workers.engine import LLMEngine
+        engine = LLMEngine(config)
+        for name, source in adapters.items():   # a bad configured adapter fails the start, loudly
+            engine.load_adapter(name, source)
+    except Exception as exc:  # noqa: BLE001  (the parent raises it)
+        send_safely("failed", exc)
+        return
+    core = _ChildEngine(engine, send)
+    runtime = engine.runtime
+    send(("ready", {"model_path": runtime.model_path, "max_model_len": runtime.max_model_len,
+                    "vocab_size": runtime.hf_config.vocab_size}))
+    loop = asyncio.new_event_loop()
+    tasks: set[asyncio.Task] = set()
+
+    async def call(call_id: int, method: str, args: tuple) -> None:
+        try:
+            result = getattr(core, method)(*args)
+            send_safely("reply", call_id, True, await result if asyncio.iscoroutine(result) else result)
+        except Exception as exc:  # noqa: BLE001  (the caller's error, raised in the parent)
+            send_safely("reply", call_id, False, exc)
+
+    def handle(message: tuple) -> None:
+        if message[0] == "call":
+            task = loop.create_task(call(*message[1:]))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        elif message[1] == "close":
+            loop.stop()
+        else:
+            getattr(core, message[1])(*message[2])
+
+    def read() -> None:   # off the loop: a message is read whole while the loop runs calls
+        try:
+            while True:
+                loop.call_soon_threadsafe(handle, conn.recv())
+        except (EOFError, OSError):   # the parent is gone or closed the socket
+            loop.call_soon_threadsafe(loop.stop)
+
+    threading.Thread(target=read, name="engine-process-reader", daemon=True).start()
+    try:
+        loop.run_forever()
+    finally:
+        core.close()
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # a terminal's Ctrl-C is the parent's to handle
+    _serve(Connection(int(sys.argv[1])))
+    os._exit(0)   # the engine's threads (tokenizer, adapter loads) must not hold the exit
