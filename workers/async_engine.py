@@ -13,6 +13,10 @@ Every accepted request ends: with a finished output, an aborted one, a
 `RequestError` (the engine failed it, e.g. its adapter could not be loaded) or
 an `EngineDeadError` (the step loop crashed or the engine was closed; the
 engine is then unhealthy and every pending stream and command gets the error).
+
+The callers' side (`_front`: tokenizers, streams, `generate`) asks the step thread for what it needs through
+`_enqueue`, `_release`, `_drop_now` and the adapter / stats calls; workers/engine_process.py overrides exactly
+those to run the step loop in a process of its own (a replica's default).
 """
 from __future__ import annotations
 
