@@ -64,11 +64,12 @@ def process_tree(root: int) -> list[int]:
 
 
 def engine_processes(root: int) -> list[int]:
-    """The engine processes (workers/engine_process.py) among `root`'s descendants."""
+    """The engine processes (workers/engine_core.py, started by workers/engine_process.py) among `root`'s
+    descendants."""
     found = []
     for pid in process_tree(root)[1:]:
         try:
-            if b"workers.engine_process" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            if b"workers.engine_core" in Path(f"/proc/{pid}/cmdline").read_bytes():
                 found.append(pid)
         except OSError:   # exited meanwhile
             pass

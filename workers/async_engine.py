@@ -28,7 +28,7 @@ import threading
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from lora.errors import AdapterLoadTimeoutError
-from workers.config import EngineConfig, SamplingParams
+from workers.config import SamplingParams
 from workers.errors import EngineDeadError, RequestError
 from workers.grammar import StructuredSpec
 from workers.limits import check_prompt
@@ -62,11 +62,6 @@ class AsyncLLMEngine:
         self._streams_lock = threading.Lock()
         self._ids = itertools.count()
         self._dead: EngineDeadError | None = None
-
-    @classmethod
-    def from_config(cls, config: EngineConfig) -> AsyncLLMEngine:
-        from workers.engine import LLMEngine
-        return cls(LLMEngine(config))
 
     @property
     def max_model_len(self) -> int:

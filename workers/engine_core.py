@@ -1,0 +1,107 @@
+"""The engine process's side (started by workers/engine_process.py as `python -m workers.engine_core FD`): it
+builds the LLMEngine, loads the configured adapters, then runs the step loop of an AsyncLLMEngine whose
+outputs, lost requests and death go to the replica over the socket, and answers the replica's calls by name
+on an event loop of its own. It exits when the socket closes."""
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import signal
+import sys
+import threading
+from multiprocessing.connection import Connection
+from typing import Any
+
+from workers.async_engine import AsyncLLMEngine
+from workers.errors import EngineDeadError
+from workers.sequence import TokenDelta
+
+class _ChildEngine(AsyncLLMEngine):
+    """The step loop of the child: outputs, lost requests and its death go to the parent, one message each."""
+
+    def __init__(self, engine, send):
+        self._send = send
+        super().__init__(engine)
+
+    def _deliver(self, outputs: list[TokenDelta]) -> None:
+        self._send(("out", outputs))
+
+    def _fail_lost(self) -> None:
+        self._send(("lost", list(self._active)))
+        self._active.clear()
+
+    def _die(self, error: EngineDeadError, cause: BaseException | None = None) -> None:
+        super()._die(error, cause)
+        try:
+            self._send(("dead", str(error)))
+        except OSError:   # the parent is gone
+            pass
+
+
+def _serve(conn: Connection) -> None:
+    lock = threading.Lock()
+
+    def send(message: tuple) -> None:
+        with lock:
+            conn.send(message)
+
+    def send_safely(*message) -> None:
+        """`message`, or, when its last part does not pickle (an exotic error), that part as a RuntimeError."""
+        try:
+            send(message)
+        except (pickle.PicklingError, TypeError, AttributeError, ValueError) as exc:
+            send((*message[:-1], RuntimeError(f"{message[-1]!r} ({exc})")))
+
+    kind, config, adapters = conn.recv()
+    assert kind == "start", kind
+    try:
+        from workers.engine import LLMEngine
+        engine = LLMEngine(config)
+        for name, source in adapters.items():   # a bad configured adapter fails the start, loudly
+            engine.load_adapter(name, source)
+    except Exception as exc:  # noqa: BLE001  (the parent raises it)
+        send_safely("failed", exc)
+        return
+    core = _ChildEngine(engine, send)
+    runtime = engine.runtime
+    send(("ready", {"model_path": runtime.model_path, "max_model_len": runtime.max_model_len,
+                    "vocab_size": runtime.hf_config.vocab_size}))
+    loop = asyncio.new_event_loop()
+    tasks: set[asyncio.Task] = set()
+
+    async def call(call_id: int, method: str, args: tuple) -> None:
+        try:
+            result = getattr(core, method)(*args)
+            send_safely("reply", call_id, True, await result if asyncio.iscoroutine(result) else result)
+        except Exception as exc:  # noqa: BLE001  (the caller's error, raised in the parent)
+            send_safely("reply", call_id, False, exc)
+
+    def handle(message: tuple) -> None:
+        if message[0] == "call":
+            task = loop.create_task(call(*message[1:]))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        elif message[1] == "close":
+            loop.stop()
+        else:
+            getattr(core, message[1])(*message[2])
+
+    def read() -> None:   # off the loop: a message is read whole while the loop runs calls
+        try:
+            while True:
+                loop.call_soon_threadsafe(handle, conn.recv())
+        except (EOFError, OSError):   # the parent is gone or closed the socket
+            loop.call_soon_threadsafe(loop.stop)
+
+    threading.Thread(target=read, name="engine-process-reader", daemon=True).start()
+    try:
+        loop.run_forever()
+    finally:
+        core.close()
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # a terminal's Ctrl-C is the parent's to handle
+    _serve(Connection(int(sys.argv[1])))
+    os._exit(0)   # the engine's threads (tokenizer, adapter loads) must not hold the exit
