@@ -11,9 +11,9 @@ from typing import Iterable, Sequence
 
 import torch
 
-from lora.errors import AdapterError, AdapterRankError, AdapterShapeError, AdapterTargetError, AdapterWeightsError
+from lora.errors import AdapterRankError, AdapterShapeError, AdapterTargetError, AdapterWeightsError
 from lora.expert_format import split_expert_pairs
-from lora.modules import EXPERT_MODULES, GLOBAL_MODULES, LINEAR_MODULES, SUPPORTED_MODULES
+from lora.modules import GLOBAL_MODULES, LINEAR_MODULES, SUPPORTED_MODULES
 from lora.peft_format import LoraSettings, LoraTensorPair, read_settings, read_tensor_pairs
 from lora.sources import resolve_source
 

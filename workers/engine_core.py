@@ -11,11 +11,11 @@ import signal
 import sys
 import threading
 from multiprocessing.connection import Connection
-from typing import Any
 
 from workers.async_engine import AsyncLLMEngine
 from workers.errors import EngineDeadError
 from workers.sequence import TokenDelta
+
 
 class _ChildEngine(AsyncLLMEngine):
     """The step loop of the child: outputs, lost requests and its death go to the parent, one message each."""
