@@ -13,6 +13,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import requests
@@ -64,6 +65,14 @@ def pids_of(actor_class: str, name: str | None = None) -> list[int]:
     from ray._private.state import actors
     return [a["Pid"] for a in actors(actor_state_name="ALIVE").values()
             if a["ActorClassName"] == actor_class and (name is None or a["Name"] == name)]
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's exit is reaped by whoever adopted it, maybe late)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def complete(url: str, model: str, prompt: str = PROMPTS[1], timeout: float = 60) -> requests.Response:
@@ -149,7 +158,10 @@ def test_a_killed_tp_rank_errors_the_streams_and_the_replica_is_replaced(apps):
 
 def test_a_killed_replica_errors_the_streams_and_serve_replaces_it(apps):
     [replica] = pids_of("ServeReplica:one:LLMServer")
+    orphans = engine_processes(replica)   # the killed replica's engine process: it must not outlive it
+    assert len(orphans) == 1, orphans
     check_a_kill(f"{apps}/one", "one", lambda: os.kill(replica, signal.SIGKILL))
+    wait_until(lambda: not any(map(running, orphans)), 30, f"the killed replica's engine process {orphans} to exit")
 
 
 def test_a_killed_engine_process_errors_the_streams_and_serve_replaces_its_replica(apps):
