@@ -36,7 +36,8 @@ def start(kind: str, engine_config: EngineConfig) -> AsyncLLMEngine:
     return AsyncLLMEngine(LLMEngine(engine_config)) if kind == "thread" else EngineProcess(engine_config)
 
 
-@pytest.fixture(params=["thread", "process"])
+# the process kind is `slow` (make test-fast skips it): each test starts an engine process, seconds of a core
+@pytest.fixture(params=["thread", pytest.param("process", marks=pytest.mark.slow)])
 def kind(request):
     return request.param
 

@@ -20,6 +20,8 @@ from workers.engine_process import EngineProcess, runs_in_process
 from workers.errors import EngineDeadError
 from workers.grammar import StructuredSpec
 
+pytestmark = pytest.mark.slow   # make test-fast skips it: each test starts an engine process (seconds of a core)
+
 LONG = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
