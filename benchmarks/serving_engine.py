@@ -50,8 +50,7 @@ def run(sizes: Sizes = FULL, load: ServingLoad = ServingLoad(num_adapters=8), dt
         rates: tuple[float, ...] | None = None, log=print, cpu_reserved_cores: int | None = None) -> dict:
     """`cpu_reserved_cores`: None = the replica's engine setting (what the same LLMConfig gives a replica)."""
     from deployments.config import LLMConfig
-    from workers.async_engine import AsyncLLMEngine
-    from workers.engine import LLMEngine
+    from workers.engine_process import start_engine
 
     model_dir = build_checkpoint(dtype, sizes.shape)
     paths = build_adapters(load.num_adapters, sizes.shape, sizes.rank)
@@ -59,10 +58,7 @@ def run(sizes: Sizes = FULL, load: ServingLoad = ServingLoad(num_adapters=8), dt
     if cpu_reserved_cores is not None:
         config = config.model_copy(update={"engine_kwargs": {**config.engine_kwargs,
                                                              "cpu_reserved_cores": cpu_reserved_cores}})
-    engine = LLMEngine(config.replica_engine_config())
-    for name, source in config.adapters.items():
-        engine.load_adapter(name, source)
-    engine = AsyncLLMEngine(engine)
+    engine = start_engine(config.replica_engine_config(), config.adapters, own_process=False)
     naming = lambda adapter: None if adapter is None else f"lora-{adapter:04d}"  # noqa: E731
     runs = []
     try:

@@ -33,7 +33,7 @@ from lora.errors import AdapterNotFoundError
 from lora.sources import is_hub_id
 from workers.async_engine import AsyncLLMEngine
 from workers.config import SamplingParams
-from workers.engine_process import EngineProcess, runs_in_process
+from workers.engine_process import start_engine
 from workers.limits import check_prompt, check_token_ids, room_to_generate
 from workers.output import TokenNames
 from workers.sequence import RequestOutput
@@ -299,11 +299,5 @@ def _start_engine(config: LLMConfig) -> AsyncLLMEngine:
     for name, source in config.adapters.items():   # before minutes of model loading: a plain, early reason
         if not is_hub_id(source) and not os.path.isdir(source):
             raise AdapterNotFoundError(f"configured adapter {name!r}: {source!r} is not a directory on this node")
-    engine_config = config.replica_engine_config()   # the hot-load roots do not apply to configured adapters
-    if config.engine_process and runs_in_process(engine_config):
-        return EngineProcess(engine_config, config.adapters)   # a bad configured adapter fails the start
-    from workers.engine import LLMEngine   # torch: only the process that runs the engine loads it
-    engine = LLMEngine(engine_config)
-    for name, source in config.adapters.items():   # a bad configured adapter fails the deployment, loudly
-        engine.load_adapter(name, source)
-    return AsyncLLMEngine(engine)
+    # the hot-load roots do not apply to configured adapters
+    return start_engine(config.replica_engine_config(), config.adapters, config.engine_process)

@@ -13,6 +13,7 @@ import threading
 from multiprocessing.connection import Connection
 
 from workers.async_engine import AsyncLLMEngine
+from workers.engine_process import build_engine
 from workers.errors import EngineDeadError
 from workers.sequence import TokenDelta
 
@@ -56,10 +57,7 @@ def _serve(conn: Connection) -> None:
     kind, config, adapters = conn.recv()
     assert kind == "start", kind
     try:
-        from workers.engine import LLMEngine
-        engine = LLMEngine(config)
-        for name, source in adapters.items():   # a bad configured adapter fails the start, loudly
-            engine.load_adapter(name, source)
+        engine = build_engine(config, adapters)
     except Exception as exc:  # noqa: BLE001  (the parent raises it)
         send_safely("failed", exc)
         return

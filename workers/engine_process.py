@@ -43,6 +43,23 @@ def runs_in_process(config: EngineConfig) -> bool:
         config.distributed_executor == "auto" and config.tensor_parallel_size == 1)
 
 
+def build_engine(config: EngineConfig, adapters: dict[str, str]):
+    """The LLMEngine with its configured adapters loaded (a bad one fails the start, loudly)."""
+    from workers.engine import LLMEngine   # torch: only the process that runs the engine loads it
+    engine = LLMEngine(config)
+    for name, source in adapters.items():
+        engine.load_adapter(name, source)
+    return engine
+
+
+def start_engine(config: EngineConfig, adapters: dict[str, str], own_process: bool = True) -> AsyncLLMEngine:
+    """An engine in a process of its own when `own_process` and it can be (`runs_in_process`), else on a
+    thread of this process."""
+    if own_process and runs_in_process(config):
+        return EngineProcess(config, adapters)
+    return AsyncLLMEngine(build_engine(config, adapters))
+
+
 class EngineProcess(AsyncLLMEngine):
     """An AsyncLLMEngine whose engine runs in a child process (started here; adapters loaded before ready)."""
 
