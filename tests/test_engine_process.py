@@ -15,6 +15,7 @@ import pytest
 from factories import PROMPTS, make_adapter
 from lora.errors import AdapterError
 from processes import REPO, engine_processes
+from transformers import AutoTokenizer
 from workers import EngineConfig, SamplingParams
 from workers.engine_process import EngineProcess, runs_in_process
 from workers.errors import EngineDeadError
@@ -121,16 +122,32 @@ def test_only_an_engine_of_the_callers_process_runs_in_one():
         EngineProcess(EngineConfig(model="m", tensor_parallel_size=2))
 
 
-def test_the_callers_side_loads_no_engine(model):
-    """The replica keeps tokenizers and streams; the model, its kernels and the KV cache are the child's."""
-    probe = ("import asyncio, sys; from workers.engine_process import EngineProcess; "
-             "from workers import EngineConfig; "
-             f"e = EngineProcess(EngineConfig(model={str(model)!r}, device='cpu', max_model_len=256)); "
-             "print(sorted(m for m in sys.modules if m.startswith(('workers.engine', 'workers.model', 'lora.backends')))); "
-             "e.close()")
+def test_the_callers_side_loads_no_engine_and_no_torch(model):
+    """The replica keeps tokenizers and streams; the model, its kernels, the KV cache and torch are the child's
+    (torch is ~1.5 s of a core and ~200 MB per replica start): a whole request, chat template included, is served
+    without them, by the tokenizer class the child's AutoTokenizer chose."""
+    probe = f"""
+import asyncio, sys
+from workers import EngineConfig, SamplingParams
+from workers.engine_process import EngineProcess
+
+async def serve(engine):
+    prompt = await engine.render_chat([{{"role": "user", "content": "Hi"}}])
+    async for out in engine.generate(prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)):
+        pass
+    return out
+
+e = EngineProcess(EngineConfig(model={str(model)!r}, device="cpu", max_model_len=256))
+out = asyncio.run(serve(e))
+print(len(out.token_ids), type(e.decode_tokenizer).__name__, "torch" in sys.modules)
+print(sorted(m for m in sys.modules if m.startswith(("workers.engine", "workers.model", "lora.backends"))))
+e.close()
+"""
     out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "['workers.engine_process']", out.stdout
+    *_, served, modules = out.stdout.strip().splitlines()
+    assert modules == "['workers.engine_process']", out.stdout
+    assert served == f"4 {type(AutoTokenizer.from_pretrained(model)).__name__} False", out.stdout
 
 
 def test_the_cli_and_a_replicas_config_default_to_an_engine_process():

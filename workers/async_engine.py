@@ -35,7 +35,7 @@ from workers.limits import check_prompt
 from workers.output import RequestState
 from workers.sequence import RequestOutput, TokenDelta
 from workers.stream import RequestStream
-from workers.tokenizer import PromptEncoder, load_tokenizer
+from workers.tokenizer import PromptEncoder, load_tokenizer, tokenizer_class_of
 
 if TYPE_CHECKING:   # the engine (torch) is loaded by whoever builds one: a replica whose engine runs in a
     from workers.engine import LLMEngine, Prompt   # process of its own never imports it
@@ -46,7 +46,7 @@ BUSY_WAIT_S = 0.001   # pause when work exists but nothing could run (an adapter
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
-        self._front(engine.runtime.model_path, engine.runtime.max_model_len)
+        self._front(engine.runtime.model_path, engine.runtime.max_model_len, tokenizer_class_of(engine.tokenizer))
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._active: set[str] = set()   # added and not yet seen finished; step thread only
@@ -54,10 +54,11 @@ class AsyncLLMEngine:
         self._thread = threading.Thread(target=self._run, name="llm-engine-step", daemon=True)
         self._thread.start()
 
-    def _front(self, model_path: str, max_model_len: int) -> None:
+    def _front(self, model_path: str, max_model_len: int, tokenizer_class: str) -> None:
         """The callers' side: tokenizers and the requests' streams (workers/engine_process.py has only this)."""
-        self.encoder = PromptEncoder(model_path, max_model_len)
-        self.decode_tokenizer = load_tokenizer(model_path)   # readers' only (their incremental text, token names)
+        self.encoder = PromptEncoder(model_path, max_model_len, tokenizer_class)
+        # readers' only (their incremental text, token names)
+        self.decode_tokenizer = load_tokenizer(model_path, tokenizer_class)
         self._streams: dict[str, RequestStream] = {}
         self._streams_lock = threading.Lock()
         self._ids = itertools.count()

@@ -16,6 +16,7 @@ from workers.async_engine import AsyncLLMEngine
 from workers.engine_process import build_engine
 from workers.errors import EngineDeadError
 from workers.sequence import TokenDelta
+from workers.tokenizer import tokenizer_class_of
 
 
 class _ChildEngine(AsyncLLMEngine):
@@ -64,7 +65,8 @@ def _serve(conn: Connection) -> None:
     core = _ChildEngine(engine, send)
     runtime = engine.runtime
     send(("ready", {"model_path": runtime.model_path, "max_model_len": runtime.max_model_len,
-                    "vocab_size": runtime.hf_config.vocab_size}))
+                    "vocab_size": runtime.hf_config.vocab_size,
+                    "tokenizer_class": tokenizer_class_of(engine.tokenizer)}))
     loop = asyncio.new_event_loop()
     tasks: set[asyncio.Task] = set()
 

@@ -92,7 +92,7 @@ class EngineProcess(AsyncLLMEngine):
             raise payload[0]
         facts = payload[0]
         self._max_model_len, self._vocab_size = facts["max_model_len"], facts["vocab_size"]
-        self._front(facts["model_path"], facts["max_model_len"])
+        self._front(facts["model_path"], facts["max_model_len"], facts["tokenizer_class"])
         self._reader = threading.Thread(target=self._read, name="llm-engine-process-reader", daemon=True)
         self._reader.start()
 

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import importlib
 from pathlib import Path
-
-from transformers import AutoTokenizer
 
 from workers.limits import check_prompt_chars
 
@@ -22,8 +21,20 @@ from workers.limits import check_prompt_chars
 NORMALIZATION_SLACK = 4
 
 
-def load_tokenizer(path: str | Path):
+def load_tokenizer(path: str | Path, tokenizer_class: str | None = None):
+    """The tokenizer AutoTokenizer gives for `path`. With `tokenizer_class` (`tokenizer_class_of` the one the engine
+    loaded), that class's own from_pretrained, which is what AutoTokenizer ends in, without its model-config
+    machinery: that imports torch, which a replica whose engine runs in a process of its own never needs."""
+    if tokenizer_class and tokenizer_class.startswith("transformers."):
+        module, name = tokenizer_class.split(":")
+        return getattr(importlib.import_module(module), name).from_pretrained(path)
+    from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(path)
+
+
+def tokenizer_class_of(tokenizer) -> str:
+    """`module:name` of the tokenizer's class, for `load_tokenizer` in another process."""
+    return f"{type(tokenizer).__module__}:{type(tokenizer).__qualname__}"
 
 
 def max_prompt_chars(tokenizer, max_model_len: int) -> int:
@@ -54,10 +65,10 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
 class PromptEncoder:
     """Tokenization for one engine's callers, on its own thread; awaitable from any event loop."""
 
-    def __init__(self, model_path: str | Path, max_model_len: int):
+    def __init__(self, model_path: str | Path, max_model_len: int, tokenizer_class: str | None = None):
         self.max_model_len = max_model_len
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
-        self._tokenizer = self._executor.submit(load_tokenizer, model_path).result()
+        self._tokenizer = self._executor.submit(load_tokenizer, model_path, tokenizer_class).result()
         self.max_chars = max_prompt_chars(self._tokenizer, max_model_len)
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
