@@ -13,7 +13,7 @@ listens on that node's address alone.
 Each deployment calls `bind_replica_grpc_to_node_ip()` first thing in its
 __init__: Serve starts the server right after __init__ returns, in the same
 process, and looks the helper up in the module at call time. Remove this
-once Serve takes the address from a setting (tests/test_sockets.py fails on
+once Serve takes the address from a setting (tests/test_cli_service.py fails on
 any wildcard bind, so a Ray upgrade that changes the line is noticed).
 """
 from __future__ import annotations

@@ -115,9 +115,10 @@ def alive(pids: list[int]) -> list[int]:
     return running
 
 
-def start_cli(*args: str, log: Path) -> subprocess.Popen:
-    """`python -m deployments.cli serve ARGS` on loopback, its output in `log`, in its own process group."""
-    env = {**os.environ, **LOCAL_RAY_ENV, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+def start_cli(*args: str, log: Path, **env: str) -> subprocess.Popen:
+    """`python -m deployments.cli serve ARGS` on loopback (with `env` set), its output in `log`, in its own
+    process group."""
+    env = {**os.environ, **LOCAL_RAY_ENV, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **env}
     with open(log, "wb") as out:
         return subprocess.Popen([sys.executable, "-m", "deployments.cli", "serve", *args], cwd=REPO, env=env,
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)

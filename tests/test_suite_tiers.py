@@ -71,9 +71,9 @@ def test_markers_are_registered(request):
 def test_the_static_reading_finds_the_known_ray_tests():
     """The reading below is only as good as these: tests that start Ray in process, in a CLI, by hand."""
     assert starts_ray("test_faults", "test_a_killed_replica_errors_the_streams_and_serve_replaces_it")   # fixture
-    assert starts_ray("test_sockets", "test_no_process_of_the_service_listens_beyond_loopback")   # start_cli
+    assert starts_ray("test_cli_service", "test_no_process_of_the_service_listens_beyond_loopback")   # start_cli
     assert starts_ray("test_cli_start", "test_a_replica_that_fails_to_start_prints_its_own_exception_and_where_"
-                                        "its_log_is")   # a "deployments.cli" command line
+                                        "its_log_is")   # start_cli
     assert starts_ray("test_serve_deploy", "test_serve_run_serve_config_answers_a_completion")   # code string
     assert not starts_ray("test_local_cluster_cli", "test_the_readme_has_the_four_steps_on_loopback_and_no_"
                                                     "default_port")
