@@ -36,14 +36,16 @@ def start(kind: str, engine_config: EngineConfig) -> AsyncLLMEngine:
     return AsyncLLMEngine(LLMEngine(engine_config)) if kind == "thread" else EngineProcess(engine_config)
 
 
-# the process kind is `slow` (make test-fast skips it): each test starts an engine process, seconds of a core
-@pytest.fixture(params=["thread", pytest.param("process", marks=pytest.mark.slow)])
+# the process kind is `slow` (make test-fast skips it): an engine process is seconds of a core to start
+@pytest.fixture(scope="module", params=["thread", pytest.param("process", marks=pytest.mark.slow)])
 def kind(request):
     return request.param
 
 
-@pytest.fixture()
+@pytest.fixture(scope="module")
 def aengine(model, kind):
+    """One engine of each kind for the module's tests: each leaves it as it found it (they check that all is
+    released), and the next one would see what it left."""
     engine = start(kind, config(model))
     yield engine
     engine.close()

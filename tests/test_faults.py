@@ -1,4 +1,4 @@
-"""Faults while streams are in flight (local Ray on loopback, bounded): a killed TP rank, a killed LLMServer
+"""Faults while streams are in flight (the shared loopback Ray; its own apps' processes are killed; bounded): a killed TP rank, a killed LLMServer
 replica, a killed engine process and a killed adapter registry; an unload under load.
 
 A kill that takes the streams' replica down errors them within ERROR_BOUND_S and the service answers again
@@ -20,9 +20,8 @@ import requests
 
 from factories import PROMPTS, make_adapter
 from processes import engine_processes
-from serve_fixtures import local_serve, wait_until
+from serve_fixtures import wait_until
 
-pytestmark = pytest.mark.own_cluster   # kills replicas, ranks and registries of its own cluster
 
 BASE = "tiny"
 MAX_MODEL_LEN = 2048
@@ -40,7 +39,7 @@ def files(model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def apps(files):
+def apps(files, shared_serve):
     """Two apps of one replica each: `one` (TP=1) at /one and `tp` (TP=2) at /tp, each with a hot-loaded
     adapter."""
     from ray import serve
@@ -49,11 +48,12 @@ def apps(files):
 
     common = dict(model=str(files["model"]), served_model_name=BASE, adapters={"a": str(files["a"])}, device="cpu",
                   max_model_len=MAX_MODEL_LEN, max_lora_rank=8, num_replicas=1, registry_sync_interval_s=0.1)
-    with local_serve(num_cpus=6) as url:   # TP=2 replica: 3 CPUs; TP=1: 1
-        for app, tp in (("one", 1), ("tp", 2)):
-            serve.run(build_app(dict(common, tensor_parallel_size=tp)), name=app, route_prefix=f"/{app}")
-            server(app).load_adapter.remote("hot", str(files["hot"])).result(timeout_s=120)
-        yield url
+    apps = {"one": 1, "tp": 2}   # TP=2 replica: 3 CPUs; TP=1: 1 (of the shared cluster's 6)
+    serve.run_many([serve.RunTarget(build_app(dict(common, tensor_parallel_size=tp)), name=app, route_prefix=f"/{app}")
+                    for app, tp in apps.items()])   # started together
+    for app in apps:
+        server(app).load_adapter.remote("hot", str(files["hot"])).result(timeout_s=120)
+    return shared_serve
 
 
 def server(app: str):

@@ -54,10 +54,11 @@ def url(files, shared_serve):
 
     assert "LORASERVE_API_KEY" not in os.environ   # `plain` must run with its defaults
     common = dict(model=str(files["model"]), device="cpu", max_model_len=256, registry_sync_interval_s=0.1)
-    serve.run(build_app(dict(common, served_model_name=BASE, adapters={"fixed": str(files["fixed"])},
-                             api_key=KEY, enable_hotload=True, adapter_roots=[str(files["root"])],
-                             max_request_bytes=MAX_BYTES)), name=APP, route_prefix="/")
-    serve.run(build_app(dict(common, served_model_name="plain")), name="plain", route_prefix="/plain")
+    secured = build_app(dict(common, served_model_name=BASE, adapters={"fixed": str(files["fixed"])}, api_key=KEY,
+                             enable_hotload=True, adapter_roots=[str(files["root"])], max_request_bytes=MAX_BYTES))
+    plain = build_app(dict(common, served_model_name="plain"))
+    serve.run_many([serve.RunTarget(secured, name=APP, route_prefix="/"),   # started together
+                    serve.RunTarget(plain, name="plain", route_prefix="/plain")])
     return shared_serve
 
 
