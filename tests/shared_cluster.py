@@ -5,7 +5,7 @@ Starting a cluster costs ~10 s of two busy cores; the suite used to start one pe
 shared cluster (the `shared_serve` / `shared_ray` fixtures of tests/tiers.py) finds it empty and leaves it empty:
 `reset` deletes its Serve apps, kills the actors and removes the placement groups it left, and waits until
 every CPU is free again, which is what `ray.shutdown` did for it before. A module that must own its cluster
-(`local_serve` / `local_ray` / its own `ray.init`) stops the shared one first (`stop`); the next shared
+(`local_ray`, its own `ray.init` or a CLI) stops the shared one first (`stop`); the next shared
 module starts a new one.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ class SharedCluster:
             import ray
             from ray import serve
 
-            assert not ray.is_initialized(), "a module left its own Ray running (local_serve/local_ray exit it)"
+            assert not ray.is_initialized(), "a module left its own Ray running (local_ray exits it)"
             self.temp_dir = tempfile.mkdtemp(prefix="lsh-", dir="/tmp")   # short: Ray's socket path limit
             init_local_ray(self.temp_dir, num_cpus=NUM_CPUS)
             port = free_port()

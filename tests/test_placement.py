@@ -6,16 +6,14 @@ real worker actors (created, not started, so nothing imports torch_npu) in their
 own group and inside a caller's (Serve-style) group, and each actor reports the
 device Ray gave it.
 """
-import shutil
 import sys
-import tempfile
 
 import pytest
 
+from serve_fixtures import local_ray
 from workers.config import EngineConfig
 from workers.device import PLATFORMS
-from workers.ray_utils import (actor_resources, init_local_ray, local_device_index, worker_bundle_indices,
-                               worker_bundles)
+from workers.ray_utils import actor_resources, local_device_index, worker_bundle_indices, worker_bundles
 
 NPU, GPU, CPU = PLATFORMS["npu"], PLATFORMS["cuda"], PLATFORMS["cpu"]
 
@@ -62,12 +60,10 @@ def test_visible_device_mapping():
 
 @pytest.fixture(scope="module")
 def ray_npu():
-    temp = tempfile.mkdtemp(prefix="lspl", dir="/tmp")   # short: Ray's socket paths have a length limit
-    init_local_ray(temp, num_cpus=1, resources={"NPU": 2})
-    import ray
-    yield ray
-    ray.shutdown()
-    shutil.rmtree(temp, ignore_errors=True)
+    """Ray with two fake NPUs (the shared cluster has none: an app with device "auto" would pick them)."""
+    with local_ray(num_cpus=1, resources={"NPU": 2}):
+        import ray
+        yield ray
 
 
 def _check_placements(placements):

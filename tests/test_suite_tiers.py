@@ -14,7 +14,7 @@ import pytest
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 # What starts a Ray cluster, in this process or another: names called, and words in a command line or code string.
-STARTERS = {"local_serve", "local_ray", "init_local_ray", "start_cli", "LoopbackAutoscalingCluster",
+STARTERS = {"local_ray", "init_local_ray", "start_cli", "LoopbackAutoscalingCluster",
             "stop_processes_of", "ray.init"}
 STARTER_WORDS = ("deployments.cli", "init_local_ray")
 
@@ -70,7 +70,7 @@ def test_markers_are_registered(request):
 
 def test_the_static_reading_finds_the_known_ray_tests():
     """The reading below is only as good as these: tests that start Ray in process, in a CLI, by hand."""
-    assert starts_ray("test_faults", "test_a_killed_replica_errors_the_streams_and_serve_replaces_it")   # fixture
+    assert starts_ray("test_placement", "test_npu_workers_in_their_own_group")   # fixture
     assert starts_ray("test_cli_service", "test_no_process_of_the_service_listens_beyond_loopback")   # start_cli
     assert starts_ray("test_cli_start", "test_a_replica_that_fails_to_start_prints_its_own_exception_and_where_"
                                         "its_log_is")   # start_cli

@@ -61,7 +61,7 @@ def pytest_runtest_teardown(item, nextitem):
 @pytest.fixture(scope="module", autouse=True)
 def _own_cluster(request):
     """A module with tests marked own_cluster starts its own Ray (or needs none running): the shared one stops
-    first (local_serve / local_ray stop it too)."""
+    first (local_ray stops it too)."""
     if any(item.get_closest_marker("own_cluster") for item in request.session.items if item.module is request.module):
         CLUSTER.stop()
 
