@@ -12,7 +12,6 @@ workers) is dead, so Serve replaces the replica.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 from contextlib import aclosing
 from typing import Any, AsyncIterator
@@ -28,6 +27,7 @@ from deployments.loopback import bind_replica_grpc_to_node_ip
 from deployments.metrics import ServerMetrics
 from deployments.replica_adapters import ReplicaAdapters
 from deployments.render import RenderedChoices, RenderSpec, StreamRenderer, render_choices
+from deployments.served_output import ServedOutput
 from deployments.stream_batch import batched
 from lora.errors import AdapterNotFoundError
 from lora.sources import is_hub_id
@@ -40,16 +40,6 @@ from workers.sequence import RequestOutput
 
 Prompt = str | list[int]
 REGISTRY_START_TIMEOUT_S = 60.0   # a registry restarting while this replica starts: wait for it, then fail
-
-
-@dataclasses.dataclass
-class ServedOutput(RequestOutput):
-    """A RequestOutput plus where it was served; stream items carry only what is new since the last one."""
-    num_prompt_tokens: int = 0
-    replica_id: str = ""
-    index: int = 0                                   # which choice of the request (n > 1)
-    prompt_text: str | None = None                   # with echo: the prompt as text
-    token_names: dict[int, tuple[str, list[int]]] | None = None   # token id -> (text, UTF-8 bytes)
 
 
 class LLMServer(ReplicaAdapters):

@@ -10,7 +10,7 @@ import pytest
 from starlette.responses import JSONResponse
 
 from deployments import responses as rs
-from deployments.llm_server import ServedOutput
+from deployments.served_output import ServedOutput
 from deployments.render import DONE, RenderSpec, StreamRenderer, join_body, render_choices
 from deployments.stream_batch import batched
 

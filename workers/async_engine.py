@@ -59,6 +59,10 @@ class AsyncLLMEngine:
         self.encoder = PromptEncoder(model_path, max_model_len, tokenizer_class)
         # readers' only (their incremental text, token names)
         self.decode_tokenizer = load_tokenizer(model_path, tokenizer_class)
+        self._callers()
+
+    def _callers(self) -> None:
+        """The requests' streams (what failing them needs)."""
         self._streams: dict[str, RequestStream] = {}
         self._streams_lock = threading.Lock()
         self._ids = itertools.count()
@@ -186,7 +190,8 @@ class AsyncLLMEngine:
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout=30)
-        self.encoder.close()
+        if hasattr(self, "encoder"):   # an engine process's child has none
+            self.encoder.close()
         self.engine.close()
 
     async def _call(self, fn: Callable, *args) -> Any:

@@ -26,6 +26,9 @@ class _ChildEngine(AsyncLLMEngine):
         self._send = send
         super().__init__(engine)
 
+    def _front(self, model_path: str, max_model_len: int, tokenizer_class: str) -> None:
+        self._callers()   # the parent tokenizes and decodes: no tokenizers of its own here
+
     def _deliver(self, outputs: list[TokenDelta]) -> None:
         self._send(("out", outputs))
 
