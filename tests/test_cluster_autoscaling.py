@@ -6,7 +6,8 @@ bundles (`device_resource: NPU`) while its TP=2 workers compute on the CPU
 (`device: cpu`): one replica = one STRICT_PACK group {CPU: 1} + 2 x {NPU: 1}, which
 fits only on an NPU node. Deploying starts the first node; a burst makes Serve add a
 replica, which makes the autoscaler start a second node; the replica autoscaling
-removed after the burst frees its node, which the autoscaler terminates once idle.
+removed after the burst frees its node, which the autoscaler terminates once idle. Every request of the burst
+succeeds, and both replicas serve an adapter hot-loaded over HTTP before the second existed.
 """
 from __future__ import annotations
 
@@ -113,7 +114,7 @@ def cluster(model_dir, tmp_path_factory):
                  "head_node": next(n["NodeID"] for n in ray.nodes() if "node:__internal_head__" in n["Resources"])}
         port = free_port()
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-        config = scenario_app_args(str(model), served_model_name=BASE)
+        config = scenario_app_args(str(model), served_model_name=BASE, enable_hotload=True)
         assert (config["device"], config["device_resource"], config["tensor_parallel_size"]) == ("cpu", "NPU", TP)
         serve.run(build_app(config), name=APP, route_prefix="/")
         state["url"] = f"http://127.0.0.1:{port}"
@@ -149,9 +150,10 @@ def test_first_replica_makes_the_autoscaler_start_an_npu_node(cluster):
 
 def test_burst_adds_a_node_whose_replica_serves_the_hot_loaded_adapter(cluster):
     llm, url = cluster["llm"], cluster["url"]
-    # hot-loaded while one replica exists; the replica that autoscaling adds later must serve it too
-    loaded = llm.load_adapter.remote(ADAPTER, cluster["hot"]).result(timeout_s=120)
-    assert loaded["lora_name"] == ADAPTER
+    # hot-loaded over HTTP (vLLM's route) while one replica exists; the replica autoscaling adds serves it too
+    loaded = requests.post(f"{url}/v1/load_lora_adapter", json={"lora_name": ADAPTER, "lora_path": cluster["hot"]},
+                           timeout=120)
+    assert loaded.status_code == 200, loaded.text
     [first_replica] = replica_placement()
     reference = {}
     for prompt in PROMPTS[:4]:

@@ -1,5 +1,6 @@
-"""Faults while streams are in flight (the shared loopback Ray; its own apps' processes are killed; bounded): a killed TP rank, a killed LLMServer
-replica, a killed engine process and a killed adapter registry; an unload under load.
+"""Faults while streams are in flight (the shared loopback Ray; its own apps' processes are killed;
+bounded): a killed TP rank (first: the TP replica's placement group, and its ranks' tokens are TP=1's), a killed
+LLMServer replica, a killed engine process and a killed adapter registry; an unload under load.
 
 A kill that takes the streams' replica down errors them within ERROR_BOUND_S and the service answers again
 within RECOVERY_BOUND_S, still serving the hot-loaded adapter with the same tokens; a killed registry fails
@@ -21,6 +22,7 @@ import requests
 from factories import PROMPTS, make_adapter
 from processes import engine_processes
 from serve_fixtures import wait_until
+from workers import EngineConfig, LLMEngine, SamplingParams
 
 
 BASE = "tiny"
@@ -77,7 +79,7 @@ def running(pid: int) -> bool:
 
 def complete(url: str, model: str, prompt: str = PROMPTS[1], timeout: float = 60) -> requests.Response:
     body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True,
-            "logprobs": 0}
+            "logprobs": 0, "return_tokens_as_token_ids": True}
     return requests.post(f"{url}/v1/completions", json=body, timeout=timeout)
 
 
@@ -132,8 +134,9 @@ def recovered(url: str, model: str, killed_at: float) -> float:
     return time.monotonic() - killed_at
 
 
-def check_a_kill(url: str, app: str, kill) -> None:
-    """Streams (base, configured and hot-loaded adapter) in flight, `kill()`; errors, recovery, no loss."""
+def check_a_kill(url: str, app: str, kill, unhealthy: bool = False) -> None:
+    """Streams (base, configured and hot-loaded adapter) in flight, `kill()`; errors, recovery, no loss.
+    `unhealthy`: /health is a 503 (OpenAI error body) after the kill, until Serve has replaced the replica."""
     models = [BASE, f"{BASE}:a", f"{BASE}:hot"]
     before = tokens(complete(url, f"{BASE}:hot"))
     streams = start_streams(url, models)
@@ -142,6 +145,10 @@ def check_a_kill(url: str, app: str, kill) -> None:
     for stream in streams:
         stream.join(RECOVERY_BOUND_S)
     assert all(s.status == 200 and s.error and s.error["type"] for s in streams), [s.error for s in streams]
+    if unhealthy:
+        health = wait_until(lambda: [r for r in [requests.get(f"{url}/health", timeout=60)] if r.status_code == 503],
+                            RECOVERY_BOUND_S, f"{url}/health to report the fault")[0]   # (a 503 Response is falsy)
+        assert health.json()["error"]["code"] == "service_unavailable"
     latency = max(s.error_at for s in streams) - killed_at
     seconds = recovered(url, f"{BASE}:hot", killed_at)
     print(f"{app}: in-flight streams errored {latency:.2f}s after the kill; the service answered again "
@@ -151,9 +158,31 @@ def check_a_kill(url: str, app: str, kill) -> None:
     assert [m["id"] for m in requests.get(f"{url}/v1/models", timeout=30).json()["data"]] == [BASE, "a", "hot"]
 
 
+def test_a_tensor_parallel_replica_runs_its_ranks_in_its_placement_group(apps, files):
+    """TP=2 on CPU: the replica's group is [replica, rank 0, rank 1]; the ranks' answer equals TP=1's."""
+    from ray.util import placement_group_table
+
+    reference = LLMEngine(EngineConfig(model=str(files["model"]), device="cpu", max_model_len=MAX_MODEL_LEN,
+                                       max_lora_rank=8))
+    try:
+        reference.load_adapter("hot", str(files["hot"]))
+        expected = reference.generate(PROMPTS[1], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                                      ["hot"])[0]
+    finally:
+        reference.close()
+    assert [int(t.removeprefix("token_id:")) for t in tokens(complete(f"{apps}/tp", f"{BASE}:hot"))] == \
+        expected.token_ids
+    created = [(g["strategy"], list(g["bundles"].values())) for g in placement_group_table().values()
+               if g["state"] == "CREATED"]
+    assert ("STRICT_PACK", [{"CPU": 1.0}] * 3) in created    # the replica's bundle, then one per rank
+    assert len(pids_of("RayWorker")) == 2
+
+
 def test_a_killed_tp_rank_errors_the_streams_and_the_replica_is_replaced(apps):
+    """A rank's process dies (a device failure): the streams error, the replica reports unhealthy (/health is a
+    503) and Serve's check_health replaces it."""
     [rank1] = [pid for pid in pids_of("RayWorker")][-1:]
-    check_a_kill(f"{apps}/tp", "tp", lambda: os.kill(rank1, signal.SIGKILL))
+    check_a_kill(f"{apps}/tp", "tp", lambda: os.kill(rank1, signal.SIGKILL), unhealthy=True)
 
 
 def test_a_killed_replica_errors_the_streams_and_serve_replaces_it(apps):

@@ -94,10 +94,11 @@ def test_a_hung_then_killed_registry_fails_no_request_and_comes_back_with_every_
         assert metrics.status_code == 200 and f'model="{BASE}",replica=' in metrics.text
         for model in (BASE, f"{BASE}:a", f"{BASE}:hot"):    # each replica's last copy
             assert complete(url, model).status_code == 200
-        for call in (lambda: server().load_adapter.remote("new", str(files["new"])),
-                     lambda: server().unload_adapter.remote("hot")):
+        # both wait out the registry's call timeout: sent together, they wait it once
+        calls = [server().load_adapter.remote("new", str(files["new"])), server().unload_adapter.remote("hot")]
+        for call in calls:
             with pytest.raises(Exception) as caught:
-                call().result(timeout_s=60)
+                call.result(timeout_s=60)
             assert_clean_503(caught.value)
     finally:
         os.kill(pid, signal.SIGKILL)   # Ray restarts it; the state comes back from the GCS KV

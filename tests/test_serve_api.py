@@ -3,8 +3,6 @@ calls, hot-load / unload across replicas, errors, client disconnects, health / m
 from __future__ import annotations
 
 import concurrent.futures
-import os
-import signal
 
 import openai
 import pytest
@@ -259,43 +257,6 @@ def test_health_models_and_metrics(url):
                  "lora_slot_misses_total", "kv_cache_free_blocks"):
         assert f"# TYPE loraserve_{name} " in text, name
     assert text.count(f'model="{BASE}",replica=') >= 2 * 9
-
-
-def test_tensor_parallel_replica_runs_its_ranks_in_its_placement_group(url, files, reference):
-    """TP=2 on CPU: the replica's group is [replica, rank 0, rank 1]; the ranks' answer equals TP=1's;
-    a dead rank makes the replica unhealthy."""
-    from ray import serve
-    from ray._private.state import actors
-    from ray.util import placement_group_table
-
-    from deployments.app import build_app
-
-    serve.run(build_app(dict(model=str(files["model"]), served_model_name="tp2", device="cpu",
-                             max_model_len=MAX_MODEL_LEN, max_lora_rank=MAX_RANK, tensor_parallel_size=2,
-                             adapters={"a": str(files["a"])})), name="tp", route_prefix="/tp")
-    try:
-        body = {"model": "tp2:a", "prompt": PROMPTS[3], "max_tokens": 8, "temperature": 0.0, "ignore_eos": True,
-                "logprobs": 0, "return_tokens_as_token_ids": True}
-        response = requests.post(f"{url}/tp/v1/completions", json=body, timeout=120)
-        assert response.status_code == 200, response.text
-        expected = reference.generate(PROMPTS[3], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
-                                      ["a"])[0]
-        assert ids(response.json()["choices"][0]["logprobs"]["tokens"]) == expected.token_ids
-        created = [(g["strategy"], list(g["bundles"].values())) for g in placement_group_table().values()
-                   if g["state"] == "CREATED"]
-        assert ("STRICT_PACK", [{"CPU": 1.0}] * 3) in created    # the replica's bundle, then one per rank
-
-        # a rank's process dies (a device failure): the replica reports unhealthy, so /health is a 503
-        # and Serve's check_health replaces it
-        ranks = [a for a in actors(actor_state_name="ALIVE").values() if a["ActorClassName"] == "RayWorker"]
-        assert len(ranks) == 2
-        os.kill(ranks[1]["Pid"], signal.SIGKILL)
-        wait_until(lambda: requests.get(f"{url}/tp/health", timeout=60).status_code == 503, 60,
-                   "/tp/health to report the dead rank")
-        error = requests.get(f"{url}/tp/health", timeout=60).json()["error"]
-        assert error["code"] == "service_unavailable"
-    finally:
-        serve.delete("tp")
 
 
 def test_hotload_without_adapter_roots_warns_at_start(url):
