@@ -70,15 +70,20 @@ def assert_same(outs, expected):
         assert max(abs(a - b) for a, b in zip(out.logprobs, ref.logprobs)) < 1e-4, (prompt, adapter)
 
 
-def test_tp2_matches_tp1_and_halves_weights(setup):
+@pytest.fixture(scope="module")
+def tp2(setup):
+    """A TP=2 engine (two RayWorker ranks) with the setup's adapters, per architecture; tests that kill a rank
+    or need other settings build their own."""
+    engine = make_engine(setup[1], setup[2], tensor_parallel_size=2)
+    yield engine
+    engine.close()
+
+
+def test_tp2_matches_tp1_and_halves_weights(setup, tp2):
     name, path, adapters, expected, tp1 = setup
-    engine = make_engine(path, adapters, tensor_parallel_size=2)
-    try:
-        assert_same(generate(engine), expected)
-        ranks = engine.executor.resident_bytes()
-        assert engine.is_healthy()
-    finally:
-        engine.close()
+    assert_same(generate(tp2), expected)
+    ranks = tp2.executor.resident_bytes()
+    assert tp2.is_healthy()
     for rank in ranks:
         assert rank["params"].keys() == tp1["params"].keys()
         for param, nbytes in rank["params"].items():
@@ -178,27 +183,27 @@ def test_killed_rank_fails_waiting_caller_fast(setup):
 
 
 @pytest.mark.parametrize("setup", ["llama"], indirect=True)
-def test_adapter_files_read_again_reach_every_rank(setup, tmp_path):
+def test_adapter_files_read_again_reach_every_rank(setup, tp2, tmp_path):
     """New files at the same path, unloaded and loaded again: every rank serves the new weights.
 
     The ranks keep their own copies of adapters; they must not keep serving the old ones.
     """
     _, path, adapters, expected, _ = setup
-    only_r8 = [(p, "r8") for p in PROMPTS[:4]]
+    only_copy = [(p, "copy") for p in PROMPTS[:4]]
     source = tmp_path / "r8"
     shutil.copytree(adapters["r8"], source)
-    engine = make_engine(path, {"r8": source}, tensor_parallel_size=2)
+    tp2.load_adapter("copy", str(source))
     try:
-        before = [o.token_ids for o in generate(engine, only_r8)]
+        before = [o.token_ids for o in generate(tp2, only_copy)]
         make_adapter(path, source, seed=77, **ADAPTERS["r8"])      # retrained, saved in place
-        engine.unload_adapter("r8")
-        engine.load_adapter("r8", str(source))
-        after = generate(engine, only_r8)
+        tp2.unload_adapter("copy")
+        tp2.load_adapter("copy", str(source))
+        after = generate(tp2, only_copy)
     finally:
-        engine.close()
-    reference = make_engine(path, {"r8": source})                  # TP=1, the new files only
+        tp2.unload_adapter("copy")
+    reference = make_engine(path, {"copy": source})                # TP=1, the new files only
     try:
-        wanted = generate(reference, only_r8)
+        wanted = generate(reference, only_copy)
     finally:
         reference.close()
     assert [o.token_ids for o in wanted] != before, "the new weights must change the output"
