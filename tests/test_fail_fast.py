@@ -1,8 +1,8 @@
 """Fail fast on impossible placement, and SIGTERM at any point: the `loraserve serve` CLI as a child process.
 
-A replica no node can hold fails the start at once with what it asked for and what the cluster has (exit 1);
-one that does not get its resources within placement_timeout_s (a busy cluster the CLI joins) fails then
-(tests/test_fail_fast_joined.py, on the shared cluster); SIGTERM stops
+A replica no node can hold fails the start at once with what it asked for and what the cluster has (exit 1),
+and one that does not get its resources within placement_timeout_s (a busy cluster the CLI joins) fails then
+(both in tests/test_fail_fast_joined.py, on the shared cluster); SIGTERM stops
 the CLI within 10 s whether it is starting Ray, blocked waiting for its replica, or serving, and leaves no
 process behind. placement_timeout_s: null waits (an autoscaler may add the node).
 """
@@ -65,21 +65,6 @@ def test_placement_timeout_flag():
     assert config_from_args(parse_args(["serve", "--demo"])).placement_timeout_s == 30
     assert config_from_args(parse_args(["serve", "--demo", "--placement-timeout", "5"])).placement_timeout_s == 5
     assert config_from_args(parse_args(["serve", "--demo", "--placement-timeout", "0"])).placement_timeout_s is None
-
-
-@pytest.mark.own_cluster
-def test_impossible_placement_fails_at_once_with_what_it_asked_and_what_the_cluster_has(tmp_path):
-    started = time.monotonic()
-    proc = run_cli(tmp_path, "--tp", "2", "--num-cpus", "2")
-    try:
-        status, _ = wait_exit(proc, START_BOUND_S)
-        log = (tmp_path / "serve.log").read_text()
-        assert status == 1, log[-3000:]
-        print(f"failed {time.monotonic() - started:.1f}s after the CLI started (Ray's start included)")
-        assert "cannot start: an LLMServer replica asks for {CPU: 3} on one node" in log
-        assert "its 1 node(s) have {CPU: 2}" in log and "--placement-timeout 0" in log
-    finally:
-        stop_tree(proc, [])
 
 
 @pytest.mark.own_cluster
