@@ -4,7 +4,6 @@ and a test outside `ray` that calls ray.init fails."""
 from __future__ import annotations
 
 import ast
-import re
 import shlex
 from functools import cache
 from pathlib import Path
