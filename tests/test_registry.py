@@ -1,4 +1,5 @@
-"""The adapter registry survives and belongs to its application (local Ray on loopback, two replicas).
+"""The adapter registry survives and belongs to its application (the shared loopback Ray; two replicas, one
+after the update).
 
 A hot-load that finds other weights at an adapter's same source reaches every replica, not only the one
 that took the call.
@@ -34,8 +35,8 @@ def files(model_dir, tmp_path_factory):
 
 
 def app_args(files, **overrides) -> dict:
-    return dict(model=str(files["model"]), served_model_name=BASE, adapters={"a": str(files["a"])}, device="cpu",
-                max_model_len=256, max_lora_rank=8, num_replicas=2, registry_sync_interval_s=0.1, **overrides)
+    return {**dict(model=str(files["model"]), served_model_name=BASE, adapters={"a": str(files["a"])}, device="cpu",
+                   max_model_len=256, max_lora_rank=8, num_replicas=2, registry_sync_interval_s=0.1), **overrides}
 
 
 @pytest.fixture(scope="module")
@@ -120,61 +121,6 @@ def test_a_hung_then_killed_registry_fails_no_request_and_comes_back_with_every_
         assert complete(url, model).status_code == 200
 
 
-def test_an_update_of_the_app_keeps_its_hot_loaded_adapters(url, files):
-    from ray import serve
-
-    from deployments.app import build_app
-
-    server().load_adapter.remote("hot", str(files["hot"])).result(timeout_s=120)
-    serve.run(build_app(app_args(files, max_ongoing_requests=8)), name=APP, route_prefix="/")   # new replicas
-    assert "hot" in models(url)
-    assert complete(url, f"{BASE}:hot").status_code == 200
-
-
-def test_deleting_the_app_deletes_its_registry_so_a_new_one_starts_with_its_configured_adapters(url, files):
-    import ray
-    from ray import serve
-    from ray.experimental import internal_kv
-
-    from deployments.adapter_registry import NAMESPACE, registry_name
-    from deployments.app import build_app
-
-    server().load_adapter.remote("hot", str(files["hot"])).result(timeout_s=120)
-    name = registry_name(APP, BASE)
-    assert internal_kv._internal_kv_get(name, namespace=NAMESPACE) is not None
-    serve.delete(APP)
-    with pytest.raises(ValueError):   # dropped before the deletion returned
-        ray.get_actor(name, namespace=NAMESPACE)
-    assert internal_kv._internal_kv_get(name, namespace=NAMESPACE) is None
-
-    serve.run(build_app(app_args(files)), name=APP, route_prefix="/")
-    assert models(url) == [BASE, "a"]
-    assert complete(url, f"{BASE}:hot").status_code == 404
-
-
-def test_a_registry_whose_app_is_gone_drops_itself(url):
-    import ray
-    from ray.experimental import internal_kv
-
-    from deployments.adapter_registry import NAMESPACE, AdapterRegistry
-
-    key = "adapters:ghost:tiny"
-    ghost = AdapterRegistry.options(name=key, namespace=NAMESPACE, lifetime="detached").remote(
-        "ghost", key, 0.1, app_check_s=0.5)
-    ray.get(ghost.seed.remote({"x": "/nowhere"}))   # its first call starts the watch
-    assert internal_kv._internal_kv_get(key, namespace=NAMESPACE) is not None
-
-    def dropped() -> bool:
-        try:
-            ray.get_actor(key, namespace=NAMESPACE)
-            return False
-        except ValueError:
-            return True
-
-    wait_until(dropped, 30, "the registry of an app Serve does not know to drop itself")
-    assert internal_kv._internal_kv_get(key, namespace=NAMESPACE) is None
-
-
 def replica_versions(name: str) -> dict[str, str | None]:
     """Each live replica's content digest of `name`'s current version, as it last reported."""
     import ray
@@ -211,3 +157,59 @@ def test_new_weights_at_the_same_source_reach_every_replica(url, files, tmp_path
     wait_until(lambda: replica_versions("renewed") == new, 10, "every replica to serve the renewed weights")
     for name in ("renewed", "ref"):
         server().unload_adapter.remote(name).result(timeout_s=60)
+
+
+def test_an_update_of_the_app_keeps_its_hot_loaded_adapters(url, files):
+    from ray import serve
+
+    from deployments.app import build_app
+
+    server().load_adapter.remote("hot", str(files["hot"])).result(timeout_s=120)
+    # new replicas (one: what follows needs no second)
+    serve.run(build_app(app_args(files, max_ongoing_requests=8, num_replicas=1)), name=APP, route_prefix="/")
+    assert "hot" in models(url)
+    assert complete(url, f"{BASE}:hot").status_code == 200
+
+
+def test_deleting_the_app_deletes_its_registry_so_a_new_one_starts_with_its_configured_adapters(url, files):
+    import ray
+    from ray import serve
+    from ray.experimental import internal_kv
+
+    from deployments.adapter_registry import NAMESPACE, registry_name
+    from deployments.app import build_app
+
+    server().load_adapter.remote("hot", str(files["hot"])).result(timeout_s=120)
+    name = registry_name(APP, BASE)
+    assert internal_kv._internal_kv_get(name, namespace=NAMESPACE) is not None
+    serve.delete(APP)
+    with pytest.raises(ValueError):   # dropped before the deletion returned
+        ray.get_actor(name, namespace=NAMESPACE)
+    assert internal_kv._internal_kv_get(name, namespace=NAMESPACE) is None
+
+    serve.run(build_app(app_args(files, num_replicas=1)), name=APP, route_prefix="/")
+    assert models(url) == [BASE, "a"]
+    assert complete(url, f"{BASE}:hot").status_code == 404
+
+
+def test_a_registry_whose_app_is_gone_drops_itself(url):
+    import ray
+    from ray.experimental import internal_kv
+
+    from deployments.adapter_registry import NAMESPACE, AdapterRegistry
+
+    key = "adapters:ghost:tiny"
+    ghost = AdapterRegistry.options(name=key, namespace=NAMESPACE, lifetime="detached").remote(
+        "ghost", key, 0.1, app_check_s=0.5)
+    ray.get(ghost.seed.remote({"x": "/nowhere"}))   # its first call starts the watch
+    assert internal_kv._internal_kv_get(key, namespace=NAMESPACE) is not None
+
+    def dropped() -> bool:
+        try:
+            ray.get_actor(key, namespace=NAMESPACE)
+            return False
+        except ValueError:
+            return True
+
+    wait_until(dropped, 30, "the registry of an app Serve does not know to drop itself")
+    assert internal_kv._internal_kv_get(key, namespace=NAMESPACE) is None
