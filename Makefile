@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PINS := torch==2.13.0 ray[serve]==2.60.0 transformers==5.24.0 peft==0.21.2 \
         safetensors==0.8.0 huggingface_hub==2.4.0 tokenizers==0.23.3 pytest==9.2.0 \
-        openai==3.57.0 pytest-timeout==2.4.0 \
+        openai==3.57.0 pytest-timeout==2.4.0 pytest-xdist==3.8.0 \
         xgrammar==0.2.9 jsonschema==4.26.0
 # Only `make bench` needs these (plots; numpy also comes with transformers).
 BENCH_PINS := matplotlib==3.11.2 numpy==2.4.6
@@ -20,8 +20,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet --no-deps -e .
 	touch $@
 
+# Two xdist workers for the 2 cores CI has, each module whole in one of them (tests/parallel.py).
 test: venv
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 tests
 
 # The edit loop: the tests that need no Ray cluster and are not slow (tests/tiers.py); `make test` runs them all.
 test-fast: venv

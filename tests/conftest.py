@@ -11,9 +11,14 @@ os.environ["RAY_AUTH_MODE"] = "disabled"
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# torch's OpenMP threads (libgomp) spin ~300k iterations before they sleep; the suite's two workers and their
+# processes share 2 cores, where that spinning takes the CPU from the process a waiting thread waits for.
+os.environ.setdefault("GOMP_SPINCOUNT", "30000")
 
 from factories import load_hf, make_model  # noqa: E402
 # The test tiers: `ray` / `own_cluster` markers, the shared cluster's fixtures, the guard (tests/tiers.py).
+# `make test`'s two xdist workers and which modules each takes (tests/parallel.py).
+from parallel import pytest_configure, pytest_unconfigure, pytest_xdist_make_scheduler  # noqa: E402,F401
 from tiers import (_own_cluster, pytest_collection_modifyitems, pytest_runtest_setup,  # noqa: E402,F401
                    pytest_runtest_teardown, pytest_sessionfinish, shared_ray, shared_serve)
 

@@ -121,3 +121,19 @@ def test_a_test_outside_ray_that_calls_ray_init_fails(request):
     with pytest.raises(AssertionError, match=r"probe\[False\] started Ray but is not marked `ray`"):
         run_hooks(Item(marked=False))
     request.node.stash[_INITS_BEFORE] += 2   # the probes' calls are not this test's: its own check stays
+
+
+def test_the_two_workers_keep_the_tiers_apart():
+    """`make test`'s scheduler (tests/parallel.py): the shared cluster's modules go first to one worker, which then
+    takes own-cluster modules from the last; the other takes modules without Ray, then own-cluster ones, from the
+    first (units are "<tier>:<module file>")."""
+    from parallel import SHARED, next_unit
+
+    units = ["0:a", "0:b", SHARED, "2:x", "2:y"]
+    assert next_unit(units, took_shared=False) == SHARED   # whichever worker asks first
+    units.remove(SHARED)
+    assert next_unit(units, took_shared=False) == "0:a"
+    assert next_unit(units, took_shared=True) == "2:y"
+    assert next_unit(["0:b", "2:x"], took_shared=False) == "0:b"
+    assert next_unit(["2:x"], took_shared=False) == "2:x"
+    assert next_unit(["0:b"], took_shared=True) == "0:b"

@@ -12,6 +12,7 @@ import functools
 import pytest
 import ray
 
+from parallel import write_tiers
 from shared_cluster import CLUSTER
 
 RAY_FIXTURES = {"shared_ray", "shared_serve"}
@@ -41,6 +42,7 @@ def pytest_collection_modifyitems(config, items):
         level = 2 if item.get_closest_marker("own_cluster") else 1 if item.get_closest_marker("ray") else 0
         tier[item.module.__name__] = max(tier.get(item.module.__name__, 0), level)
     items.sort(key=lambda item: tier[item.module.__name__])   # stable: the order within a tier is kept
+    write_tiers(config, {item.nodeid.split("::", 1)[0]: tier[item.module.__name__] for item in items})
 
 
 @pytest.hookimpl(wrapper=True)
