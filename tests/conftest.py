@@ -48,3 +48,11 @@ def hf_model():
         return cache[path]
 
     return load
+
+
+@pytest.fixture(scope="session")
+def demo_cache(tmp_path_factory):
+    """LORASERVE_CACHE for the CLI tests' `--demo`: one for the session, xdist's workers included (ensure_demo
+    locks it), so that the demo model is built once."""
+    base = tmp_path_factory.getbasetemp()
+    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "demo-cache"

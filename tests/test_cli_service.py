@@ -65,17 +65,16 @@ def readme_handle_example() -> str:
 
 
 @pytest.fixture(scope="module")
-def service(tmp_path_factory):
+def service(tmp_path_factory, demo_cache):
     command = readme_hotload_command()
     assert command[:5] == [".venv/bin/python", "-m", "deployments.cli", "serve", "--demo"], command
     assert command[5:] == ["--enable-hotload", "--adapter-root", README_ROOT], command
     tmp = tmp_path_factory.mktemp("cli")
     root, log = tmp / "adapters", tmp / "serve.log"
     root.mkdir()
-    cache = tmp_path_factory.getbasetemp() / "demo-cache"   # shared with other modules: built once per session
     args = [a.replace(README_ROOT, str(root)) for a in command[5:]] + ["--tp", "2", "--num-cpus", "4",
                                                                        "--port", str(free_port())]
-    proc, pids = start_cli("--demo", *args, log=log, LORASERVE_CACHE=str(cache)), []
+    proc, pids = start_cli("--demo", *args, log=log, LORASERVE_CACHE=str(demo_cache)), []
     try:
         def printed(pattern: re.Pattern) -> str | None:
             pids[:] = sorted(set(pids) | set(process_tree(proc.pid)))
@@ -88,7 +87,7 @@ def service(tmp_path_factory):
         address = wait_until(lambda: printed(HINT), 30, "the CLI to print its Ray address")
         # a completion: the ranks have rendezvoused (store, gloo pairs: listeners) and run a step
         wait_until(lambda: complete(url, "loraserve-demo", 2).status_code == 200, 60, "a first completion")
-        configured = cache / "demo" / "adapters" / "demo-a"
+        configured = demo_cache / "demo" / "adapters" / "demo-a"
         shutil.copytree(configured, root / "peft_adapter_dir")
         yield Service(proc, url, address, configured, root / "peft_adapter_dir", pids, log)
     finally:

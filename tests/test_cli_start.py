@@ -20,12 +20,11 @@ pytestmark = pytest.mark.own_cluster   # the CLI starts its own Ray
 START_TIMEOUT_S = 300     # 2 shared cores: a start takes 30-80 s here
 
 
-def test_a_replica_that_fails_to_start_prints_its_own_exception_and_where_its_log_is(tmp_path, tmp_path_factory):
+def test_a_replica_that_fails_to_start_prints_its_own_exception_and_where_its_log_is(tmp_path, demo_cache):
     missing = tmp_path / "no-such-adapter"
     log = tmp_path / "serve.log"
-    cache = tmp_path_factory.getbasetemp() / "demo-cache"   # shared with other modules: built once per session
     proc, pids = start_cli("--demo", "--lora", f"ghost={missing}", "--port", str(free_port()), "--num-cpus", "2",
-                           log=log, LORASERVE_CACHE=str(cache)), []
+                           log=log, LORASERVE_CACHE=str(demo_cache)), []
     try:
         def exited() -> bool:
             pids[:] = sorted(set(pids) | set(process_tree(proc.pid)))

@@ -51,9 +51,9 @@ def test_the_readme_has_the_four_steps_on_loopback_and_no_default_port():
 
 
 @pytest.fixture
-def workspace(tmp_path, tmp_path_factory):
+def workspace(tmp_path, demo_cache):
     temp_dir = tempfile.mkdtemp(prefix="lslc-", dir="/tmp")   # short: Ray's socket paths have a length limit
-    yield tmp_path, temp_dir, tmp_path_factory.getbasetemp() / "demo-cache"
+    yield tmp_path, temp_dir, demo_cache
     stop_processes_of(temp_dir)
     shutil.rmtree(temp_dir, ignore_errors=True)
 

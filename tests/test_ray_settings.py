@@ -34,7 +34,8 @@ def probe(shared_serve):
                     "direct_ingress": constants.RAY_SERVE_ENABLE_DIRECT_INGRESS,
                     "log_buffer": constants.RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE}
 
-    handle = serve.run(serve.deployment(Probe, name="Probe").bind(), name=APP, route_prefix=f"/{APP}")
+    probe = serve.deployment(Probe, name="Probe", graceful_shutdown_wait_loop_s=0.5)   # deleted without 2 s waits
+    handle = serve.run(probe.bind(), name=APP, route_prefix=f"/{APP}")
     return shared_serve, handle
 
 

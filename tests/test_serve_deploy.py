@@ -56,7 +56,7 @@ def _processes_under(marker: str) -> list[int]:
 
 
 @pytest.mark.own_cluster
-def test_serve_run_serve_config_answers_a_completion(tmp_path):
+def test_serve_run_serve_config_answers_a_completion(tmp_path, demo_cache):
     config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
     port = free_port()
     config["http_options"]["port"] = port          # the only change: a free port instead of 8000
@@ -66,7 +66,7 @@ def test_serve_run_serve_config_answers_a_completion(tmp_path):
     # Ray started on loopback in a private dir first; then Ray's own `serve run` command, which reuses it.
     code = (f"from workers.ray_utils import init_local_ray; init_local_ray({ray_dir!r}, num_cpus=2); "
             f"from ray.serve.scripts import cli; cli(['run', {str(config_path)!r}])")
-    env = {**os.environ, **LOCAL_RAY_ENV, "LORASERVE_CACHE": str(tmp_path / "cache")}
+    env = {**os.environ, **LOCAL_RAY_ENV, "LORASERVE_CACHE": str(demo_cache)}
     log = open(tmp_path / "serve_run.log", "w")
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)   # its own process group: stopped as one below
