@@ -14,6 +14,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # torch's OpenMP threads (libgomp) spin ~300k iterations before they sleep; the suite's two workers and their
 # processes share 2 cores, where that spinning takes the CPU from the process a waiting thread waits for.
 os.environ.setdefault("GOMP_SPINCOUNT", "30000")
+# `make test`'s two workers share the 2 cores: one torch thread per process, engines included, or each parallel
+# op waits for a thread that the other worker's processes preempted (whole suite: 312 s against 356-434 s).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("LORASERVE_CPU_THREADS", "1")
 
 from factories import load_hf, make_model  # noqa: E402
 # The test tiers: `ray` / `own_cluster` markers, the shared cluster's fixtures, the guard (tests/tiers.py).

@@ -95,7 +95,7 @@ def test_dtype_auto_follows_the_checkpoint(model_dir, tmp_path):
 def test_cpu_threads_is_applied_and_defaults_to_the_process_cpus(model_dir):
     """In a Ray actor torch would keep Ray's OMP_NUM_THREADS (the actor's num_cpus: 1 for a replica)."""
     import os
-    from workers.worker import cpu_threads_per_rank
+    from workers.worker import CPU_THREADS_ENV, cpu_threads_per_rank, default_cpu_threads
     before = torch.get_num_threads()
     try:
         LLMEngine(EngineConfig(model=str(model_dir("qwen3")), device="cpu", cpu_threads=1))
@@ -109,5 +109,17 @@ def test_cpu_threads_is_applied_and_defaults_to_the_process_cpus(model_dir):
             EngineConfig(model="m", cpu_reserved_cores=-1)
         with pytest.raises(ValueError, match="cpu_threads must be >= 1"):
             EngineConfig(model="m", cpu_threads=0)
+        with pytest.MonkeyPatch.context() as env:   # the environment's default, which cpu_threads overrides
+            env.delenv(CPU_THREADS_ENV, raising=False)
+            assert default_cpu_threads(1) == len(os.sched_getaffinity(0))
+            env.setenv(CPU_THREADS_ENV, "3")
+            assert default_cpu_threads(1) == 3
+            LLMEngine(EngineConfig(model=str(model_dir("qwen3")), device="cpu"))
+            assert torch.get_num_threads() == 3
+            LLMEngine(EngineConfig(model=str(model_dir("qwen3")), device="cpu", cpu_threads=1))
+            assert torch.get_num_threads() == 1
+            env.setenv(CPU_THREADS_ENV, "0")
+            with pytest.raises(ValueError, match="LORASERVE_CPU_THREADS must be an integer >= 1, got '0'"):
+                default_cpu_threads(1)
     finally:
         torch.set_num_threads(before)

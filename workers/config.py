@@ -51,8 +51,8 @@ class EngineConfig:
     adapter_load_timeout_s: float = 120.0       # a disk / Hub read of an adapter taking longer fails
     # CPU: linear weights reordered once for oneDNN at load (prepack_linears); None = on for the CPU
     prepack_weights: bool | None = None
-    # CPU: compute threads of each rank; None = this process's CPUs / the ranks (in a Ray actor, torch would
-    # otherwise keep the OMP_NUM_THREADS=num_cpus Ray sets: 1 for a replica)
+    # CPU: compute threads of each rank; None = $LORASERVE_CPU_THREADS, else this process's CPUs / the ranks (in
+    # a Ray actor, torch would otherwise keep the OMP_NUM_THREADS=num_cpus Ray sets: 1 for a replica)
     cpu_threads: int | None = None
     # CPU: cores the default `cpu_threads` leaves to what runs beside the engine. A served engine's neighbours
     # (the replica's event loop, Serve's ingress and proxy, on the same node) would otherwise preempt one of

@@ -18,6 +18,8 @@ from workers.parallel import TPGroup
 from workers.plan import StepOutput, StepPlan
 from workers.runner import ModelRunner, RuntimeInfo
 
+CPU_THREADS_ENV = "LORASERVE_CPU_THREADS"   # the default cpu_threads of this process's engines (README)
+
 
 class Worker:
     def __init__(self, config: EngineConfig, runtime: RuntimeInfo, platform: Platform,
@@ -25,8 +27,8 @@ class Worker:
         platform.set_device(device_index)
         allow_pinning(platform.name != "cpu")   # this process holds the device it copies to (lora/transfer.py)
         if platform.name == "cpu":
-            torch.set_num_threads(config.cpu_threads or cpu_threads_per_rank(config.tensor_parallel_size,
-                                                                             config.cpu_reserved_cores))
+            torch.set_num_threads(config.cpu_threads or default_cpu_threads(config.tensor_parallel_size,
+                                                                            config.cpu_reserved_cores))
         self.runner = ModelRunner(config, runtime, platform, tp, platform.torch_device(device_index), get_adapter)
 
     def execute(self, plan: StepPlan) -> StepOutput:
@@ -47,6 +49,17 @@ class Worker:
         return {"params": {name: p.nbytes for name, p in runner.model.named_parameters()},
                 "lora_slots": runner.slot_pool.nbytes() if runner.slot_pool is not None else 0,
                 "kv_cache": runner.kv_cache.k.nbytes + runner.kv_cache.v.nbytes}
+
+
+def default_cpu_threads(ranks: int, reserved: int = 0) -> int:
+    """$LORASERVE_CPU_THREADS when set (as vLLM's CPU backend takes its OpenMP threads from the environment), else
+    `cpu_threads_per_rank`."""
+    value = os.environ.get(CPU_THREADS_ENV)
+    if value is None:
+        return cpu_threads_per_rank(ranks, reserved)
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{CPU_THREADS_ENV} must be an integer >= 1, got {value!r}")
+    return int(value)
 
 
 def cpu_threads_per_rank(ranks: int, reserved: int = 0) -> int:
