@@ -15,7 +15,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # processes share 2 cores, where that spinning takes the CPU from the process a waiting thread waits for.
 os.environ.setdefault("GOMP_SPINCOUNT", "30000")
 # `make test`'s two workers share the 2 cores: one torch thread per process, engines included, or each parallel
-# op waits for a thread that the other worker's processes preempted (whole suite: 312 s against 356-434 s).
+# op waits for a thread that the other worker's processes preempted (clean clone: 370-380 s against 434 s).
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("LORASERVE_CPU_THREADS", "1")
