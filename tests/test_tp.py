@@ -72,9 +72,18 @@ def assert_same(outs, expected):
 
 @pytest.fixture(scope="module")
 def tp2(setup):
-    """A TP=2 engine (two RayWorker ranks) with the setup's adapters, per architecture; tests that kill a rank
-    or need other settings build their own."""
+    """A TP=2 engine (two RayWorker ranks) with the setup's adapters, per architecture."""
     engine = make_engine(setup[1], setup[2], tensor_parallel_size=2)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def tp2_chunked(setup):
+    """A TP=2 engine taking prompts in 16-token chunks, with a prefix cache of 4-token blocks; the module's
+    last test kills one of its ranks (each TP group costs two processes that import torch)."""
+    engine = make_engine(setup[1], setup[2], tensor_parallel_size=2, max_num_batched_tokens=16, max_num_seqs=8,
+                         kv_block_size=4)
     yield engine
     engine.close()
 
@@ -121,28 +130,23 @@ def test_tp1_in_one_actor(setup):
 
 
 @pytest.mark.parametrize("setup", ["llama"], indirect=True)
-def test_tp2_chunked_prefill_and_prefix_cache_match_peft(setup):
+def test_tp2_chunked_prefill_and_prefix_cache_match_peft(setup, tp2_chunked):
     """Prompts in 16-token chunks beside decodes, then again from the prefix cache: PEFT's tokens on 2 ranks."""
     _, path, adapters, _, _ = setup
     oracle = PeftOracle(path, adapters)
     requests = [(" ".join(PROMPTS), a) for a in NAMES] + REQUESTS[9:]
     expected = [oracle.greedy(p, a, GREEDY.max_tokens) for p, a in requests]
-    engine = make_engine(path, adapters, tensor_parallel_size=2, max_num_batched_tokens=16, max_num_seqs=8,
-                         kv_block_size=4)
-    try:
-        for _ in range(2):
-            for (prompt, adapter), out, (tokens, logprobs) in zip(requests, generate(engine, requests), expected):
-                assert out.token_ids == tokens, (prompt[:20], adapter)
-                assert max(abs(a - b) for a, b in zip(out.logprobs, logprobs)) < 1e-3, (prompt[:20], adapter)
-        assert engine.stats()["prefix_cache"]["hit_tokens"] > 100
-    finally:
-        engine.close()
+    for _ in range(2):
+        for (prompt, adapter), out, (tokens, logprobs) in zip(requests, generate(tp2_chunked, requests), expected):
+            assert out.token_ids == tokens, (prompt[:20], adapter)
+            assert max(abs(a - b) for a, b in zip(out.logprobs, logprobs)) < 1e-3, (prompt[:20], adapter)
+    assert tp2_chunked.stats()["prefix_cache"]["hit_tokens"] > 100
 
 
-@pytest.mark.parametrize("setup", ["qwen3_kv1"], indirect=True)
-def test_killed_rank_fails_waiting_caller_fast(setup):
-    _, path, adapters, _, _ = setup
-    engine = make_engine(path, adapters, tensor_parallel_size=2)
+@pytest.mark.parametrize("setup", ["llama"], indirect=True)
+def test_killed_rank_fails_waiting_caller_fast(setup, tp2_chunked):
+    """The module's last use of tp2_chunked: one of its ranks is killed."""
+    engine = tp2_chunked
     result = {}
 
     def run():
@@ -152,34 +156,32 @@ def test_killed_rank_fails_waiting_caller_fast(setup):
         except Exception as exc:  # noqa: BLE001 - the error is what the test checks
             result["error"] = exc
 
-    try:
-        thread = threading.Thread(target=run, daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 60
-        while engine.controller.step_count < 3 and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert thread.is_alive() and engine.controller.step_count >= 3, "generation was not running"
-        survivor = engine.executor.workers[0]
-        killed_at = time.monotonic()
-        ray.kill(engine.executor.workers[1])
-        thread.join(timeout=30)
-        waited = time.monotonic() - killed_at
-        assert not thread.is_alive(), "the caller still waits 30 s after the kill"
-        assert isinstance(result.get("error"), WorkerGroupError), result
-        assert "rank" in str(result["error"]) and "unhealthy" in str(result["error"])
-        assert not engine.is_healthy()
-        started = time.monotonic()
-        with pytest.raises(WorkerGroupError):
-            engine.generate("Hello", GREEDY)
-        assert time.monotonic() - started < 5
-        deadline = time.monotonic() + 30
-        with pytest.raises(ray.exceptions.RayActorError):  # the survivor is not left inside a collective
-            while time.monotonic() < deadline:
-                ray.get(survivor.is_alive.remote(), timeout=30)
-                time.sleep(0.1)
-        print(f"caller got the error {waited:.2f}s after the kill: {result['error']}")
-    finally:
-        engine.close()
+    steps = engine.controller.step_count   # the earlier tests' steps
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while engine.controller.step_count < steps + 3 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert thread.is_alive() and engine.controller.step_count >= steps + 3, "generation was not running"
+    survivor = engine.executor.workers[0]
+    killed_at = time.monotonic()
+    ray.kill(engine.executor.workers[1])
+    thread.join(timeout=30)
+    waited = time.monotonic() - killed_at
+    assert not thread.is_alive(), "the caller still waits 30 s after the kill"
+    assert isinstance(result.get("error"), WorkerGroupError), result
+    assert "rank" in str(result["error"]) and "unhealthy" in str(result["error"])
+    assert not engine.is_healthy()
+    started = time.monotonic()
+    with pytest.raises(WorkerGroupError):
+        engine.generate("Hello", GREEDY)
+    assert time.monotonic() - started < 5
+    deadline = time.monotonic() + 30
+    with pytest.raises(ray.exceptions.RayActorError):  # the survivor is not left inside a collective
+        while time.monotonic() < deadline:
+            ray.get(survivor.is_alive.remote(), timeout=30)
+            time.sleep(0.1)
+    print(f"caller got the error {waited:.2f}s after the kill: {result['error']}")
 
 
 @pytest.mark.parametrize("setup", ["llama"], indirect=True)
