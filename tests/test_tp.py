@@ -2,10 +2,12 @@
 
 TP=2 equals TP=1 (tokens, logprobs within 1e-4) with mixed rank-8 / rank-16
 adapters on every projection plus lm_head (and embed_tokens), each rank holds
-about half the sharded weights, TP=1 runs in one actor when asked, and a killed
-rank fails the waiting caller fast and leaves the engine unhealthy.
+about half the sharded weights and never imports transformers (the engine sends
+the config's values), TP=1 runs in one actor when asked, and a killed rank fails
+the waiting caller fast and leaves the engine unhealthy.
 """
 import shutil
+import sys
 import threading
 import time
 
@@ -93,6 +95,9 @@ def test_tp2_matches_tp1_and_halves_weights(setup, tp2):
     assert_same(generate(tp2), expected)
     ranks = tp2.executor.resident_bytes()
     assert tp2.is_healthy()
+    # the ranks got the config as plain values, rope frequencies included (llama3 scaling): no transformers
+    imported = [w.__ray_call__.remote(lambda _: "transformers" in sys.modules) for w in tp2.executor.workers]
+    assert ray.get(imported) == [False, False]
     for rank in ranks:
         assert rank["params"].keys() == tp1["params"].keys()
         for param, nbytes in rank["params"].items():

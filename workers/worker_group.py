@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import os
 import time
+from dataclasses import replace
 from datetime import timedelta
 from typing import Callable
 
@@ -25,6 +26,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from workers.config import EngineConfig
 from workers.device import Platform
+from workers.models.plain_config import PlainConfig
 from workers.plan import StepOutput, StepPlan
 from workers.ray_utils import (LOOPBACK, actor_resources, listen_on_loopback, local_device_index,
                                worker_bundle_indices, worker_bundles)
@@ -149,6 +151,8 @@ def spawn_workers(config: EngineConfig, runtime: RuntimeInfo, platform: Platform
         indices = list(range(size))
     else:
         indices = worker_bundle_indices(group.bundle_specs, platform, size)
+    if runtime is not None:   # (None: actors created, never started, in placement tests)
+        runtime = replace(runtime, hf_config=PlainConfig(runtime.hf_config))   # so ranks need not import transformers
     workers = [RayWorker.options(**actor_resources(platform), max_restarts=0, max_task_retries=0,
                                  scheduling_strategy=PlacementGroupSchedulingStrategy(
                                      group, placement_group_bundle_index=index))

@@ -8,6 +8,9 @@ STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def inverse_frequencies(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
+    shipped = getattr(hf_config, "rope_frequencies", None)   # computed by the engine (models/plain_config.py)
+    if shipped is not None and shipped[0] == head_dim:
+        return shipped[1], shipped[2]
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
     rope_type = params.get("rope_type", "default")
     if rope_type not in STATIC_ROPE_TYPES:
