@@ -68,6 +68,15 @@ def processes_of(marker: str) -> list[int]:
     return pids
 
 
+def cluster_processes(temp_dir: str) -> list[int]:
+    """The processes of the Ray cluster under `temp_dir`: those naming it, and its Ray Client server, which names
+    only the GCS's address (so `processes_of(temp_dir)` misses it)."""
+    pids = processes_of(temp_dir)
+    ports = {arg.split("=", 1)[1] for pid in pids for arg in _arguments(pid) if arg.startswith("--gcs_server_port=")}
+    clients = [pid for port in ports for pid in processes_of(f"ray.util.client.server --address={LOOPBACK}:{port} ")]
+    return sorted({*pids, *clients})
+
+
 def stop_processes_of(temp_dir: str, grace_s: float = 10.0) -> list[int]:
     """Stop every process of the cluster under `temp_dir` as `ray stop` does, in its order: the raylet, then the
     others (agents, monitor, workers), the GCS last (signalled together, the raylet and the GCS wait for each other
@@ -81,7 +90,7 @@ def stop_processes_of(temp_dir: str, grace_s: float = 10.0) -> list[int]:
 
     stopped: set[int] = set()
     for bucket in (0, 1, 2):
-        pids = [pid for pid in processes_of(temp_dir) if rank(pid) == bucket]
+        pids = [pid for pid in cluster_processes(temp_dir) if rank(pid) == bucket]
         stopped.update(pids)
         for sig in (signal.SIGTERM, signal.SIGKILL):
             for pid in pids:
@@ -90,7 +99,7 @@ def stop_processes_of(temp_dir: str, grace_s: float = 10.0) -> list[int]:
                 except ProcessLookupError:
                     pass
             deadline = time.monotonic() + grace_s / 3
-            while (pids := [pid for pid in pids if _running(pid)]) and time.monotonic() < deadline:
+            while (pids := [pid for pid in pids if running(pid)]) and time.monotonic() < deadline:
                 time.sleep(0.1)
     deadline = time.monotonic() + grace_s
     while (late := processes_of(temp_dir)) and time.monotonic() < deadline:   # started meanwhile: killed now
@@ -104,8 +113,15 @@ def stop_processes_of(temp_dir: str, grace_s: float = 10.0) -> list[int]:
     return sorted(stopped)
 
 
-def _running(pid: int) -> bool:
-    """Alive and not a zombie (a stopped child of this process that nobody reaped yet)."""
+def _arguments(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (a stopped child not reaped yet, or an orphan its adopter reaps late)."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:

@@ -14,13 +14,13 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import requests
 
 from factories import PROMPTS, make_adapter
 from processes import engine_processes
+from ray_clusters import running
 from serve_fixtures import wait_until
 from workers import EngineConfig, LLMEngine, SamplingParams
 
@@ -67,14 +67,6 @@ def pids_of(actor_class: str, name: str | None = None) -> list[int]:
     from ray._private.state import actors
     return [a["Pid"] for a in actors(actor_state_name="ALIVE").values()
             if a["ActorClassName"] == actor_class and (name is None or a["Name"] == name)]
-
-
-def running(pid: int) -> bool:
-    """Alive and not a zombie (an orphan's exit is reaped by whoever adopted it, maybe late)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def complete(url: str, model: str, prompt: str = PROMPTS[1], timeout: float = 60) -> requests.Response:

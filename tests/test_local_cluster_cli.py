@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ray_clusters import listening_addresses, local_env, processes_of, stop_processes_of
+from ray_clusters import (cluster_processes, listening_addresses, local_env, processes_of, running,
+                          stop_processes_of)
 from serve_fixtures import wait_until
 from workers.ray_utils import SERVING_RAY_ENV, free_port
 
@@ -54,8 +55,10 @@ def test_the_readme_has_the_four_steps_on_loopback_and_no_default_port():
 def workspace(tmp_path, demo_cache):
     temp_dir = tempfile.mkdtemp(prefix="lslc-", dir="/tmp")   # short: Ray's socket paths have a length limit
     yield tmp_path, temp_dir, demo_cache
+    started = cluster_processes(temp_dir)   # its Ray Client server included
     stop_processes_of(temp_dir)
     shutil.rmtree(temp_dir, ignore_errors=True)
+    assert not [pid for pid in started if running(pid)], "a process of the head outlived its stop"
 
 
 @pytest.mark.own_cluster
