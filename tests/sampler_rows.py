@@ -6,6 +6,10 @@ from workers.config import SamplingParams
 from workers.plan import SamplerInit
 from workers.sampler import SamplerState, SamplingTensors
 
+# every sampler option at once: the processors, min-p, top-k / top-p, top logprobs
+EVERYTHING = dict(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, presence_penalty=0.5, frequency_penalty=0.3,
+                  repetition_penalty=1.2, min_tokens=4, logit_bias={3: 5.0, 7: -100.0}, top_logprobs=3)
+
 
 def step_rows(params: SamplingParams, seeds: list[int], vocab: int, steps: list[int] | None = None,
               state: SamplerState | None = None, use_grammar: bool = False) -> tuple[SamplingTensors, SamplerState]:
