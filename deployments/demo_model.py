@@ -13,8 +13,6 @@ import os
 import shutil
 from pathlib import Path
 
-import torch
-
 FORMAT_VERSION = "2"    # bump when the generated files change, so old caches are rebuilt
 # ChatML as Qwen3's template writes it, tools included: the tools' signatures in a system turn, an
 # assistant's calls as hermes-style <tool_call> blocks, tool results as <tool_response> in a user turn.
@@ -115,6 +113,7 @@ def train_tokenizer(path: Path, vocab_size: int):
 
 
 def write_model(path: Path, vocab_size: int, eos_token_id: int, seed: int = 0):
+    import torch   # here, not at the top: `deployments.app` imports this module in processes that run no model
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     config = Qwen3Config(vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -129,6 +128,7 @@ def write_model(path: Path, vocab_size: int, eos_token_id: int, seed: int = 0):
 
 def write_adapter(path: Path, hf_config, rank: int, alpha: int, targets: tuple[str, ...], seed: int) -> None:
     """A PEFT-format adapter (adapter_config.json + adapter_model.safetensors) with random A and B."""
+    import torch
     from safetensors.torch import save_file
 
     hidden, inter = hf_config.hidden_size, hf_config.intermediate_size

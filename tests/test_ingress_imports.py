@@ -2,8 +2,9 @@
 
 Every Serve app starts an ingress replica (a new process): importing torch and transformers there cost ~4.5 s of a
 core and ~210 MB per replica (6.4 s / 332 MB against 1.8 s / 123 MB, measured on the CI machine). The modules
-below are what the ingress and a config's validation import; a new top-level import of an engine module in
-any of them fails here, naming the chain that pulled it in.
+below are what the ingress and a config's validation import, and the modules of the CLI, of Serve's app builder
+(`deployments.app`, imported by every `serve deploy`) and of the LLM replica (whose engine runs in a process of
+its own); a new top-level import of an engine library in any of them fails here, naming the chain.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ __import__(sys.argv[1])
 
 
 @pytest.mark.parametrize("module", ["deployments.openai_api", "deployments.config", "deployments.adapter_registry",
+                                    "deployments.llm_server", "deployments.app", "deployments.cli",
                                     "workers.config", "workers.errors", "lora.names"])
 def test_the_ingress_and_config_modules_import_no_engine_library(module):
     probe = subprocess.run([sys.executable, "-c", PROBE, module, ",".join(ENGINE_LIBRARIES)], cwd=REPO,
