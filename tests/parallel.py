@@ -1,9 +1,10 @@
 """`make test` runs the suite in two pytest-xdist workers (2 cores), each module whole in one of them, in an
 order that keeps each worker's tiers apart (tests/tiers.py): one worker runs the shared cluster's modules, then
-takes the own-cluster modules from the last; the other runs the modules without Ray, then takes the own-cluster
-modules from the first. So no cluster starts twice in a worker, the shared cluster's Serve tests run beside CPU
-work rather than beside other clusters starting, and both end at about the same time. While one worker waits (a
-CLI's Ray starting, Serve replacing a replica, a registry call timing out) the other has the CPU.
+takes own-cluster modules; the other runs the modules without Ray, then takes own-cluster modules. So no cluster
+starts twice in a worker, the shared cluster's Serve tests run beside CPU work rather than beside other clusters
+starting, and while one worker waits (a CLI's Ray starting, Serve replacing a replica, a registry call timing
+out) the other has the CPU. Both take the own-cluster modules longest first (OWN_CLUSTER_SECONDS), so that the
+suite ends on short ones and both workers end at about the same time.
 
 xdist's own `--dist loadgroup` marks groups by renaming node ids, which pytest 9 no longer allows; and only the
 workers know a module's tier (its tests' fixtures and markers). So each worker writes the tiers it collected to a
@@ -73,13 +74,20 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 SHARED = "shared cluster"
+# Wall seconds of the own-cluster modules in `make test` on 2 cores (the CI machine), to take the longest
+# first: a module missing here counts as the longest (it goes first, where its length cannot make a long tail).
+OWN_CLUSTER_SECONDS = {"tests/test_cluster_autoscaling.py": 67, "tests/test_cli_service.py": 35,
+                       "tests/test_local_cluster_cli.py": 25, "tests/test_cli_start.py": 22,
+                       "tests/test_serve_deploy.py": 19, "tests/test_fail_fast.py": 17, "tests/test_placement.py": 11}
 
 
 def next_unit(units: list[str], took_shared: bool) -> str:
-    """The shared cluster first; then, for the worker that ran it, the own-cluster modules from the last, then
-    the rest from the last; for the other worker the modules without Ray, then own-cluster ones, from the first."""
+    """The shared cluster first; then, for the worker that ran it, the own-cluster modules, then the rest from
+    the last; for the other worker the modules without Ray from the first, then the own-cluster ones. Own-cluster
+    modules go longest first (OWN_CLUSTER_SECONDS)."""
     if SHARED in units:
         return SHARED
-    own = [unit for unit in units if unit.startswith(f"{OWN_TIER}:")]
-    rest = [unit for unit in units if unit not in own]
-    return (rest + own)[-1] if took_shared else (rest + own)[0]
+    own = sorted((unit for unit in units if unit.startswith(f"{OWN_TIER}:")),
+                 key=lambda unit: -OWN_CLUSTER_SECONDS.get(unit.split(":", 1)[1], float("inf")))
+    rest = [unit for unit in units if not unit.startswith(f"{OWN_TIER}:")]
+    return (own + rest[::-1])[0] if took_shared else (rest + own)[0]

@@ -125,15 +125,19 @@ def test_a_test_outside_ray_that_calls_ray_init_fails(request):
 
 def test_the_two_workers_keep_the_tiers_apart():
     """`make test`'s scheduler (tests/parallel.py): the shared cluster's modules go first to one worker, which then
-    takes own-cluster modules from the last; the other takes modules without Ray, then own-cluster ones, from the
-    first (units are "<tier>:<module file>")."""
-    from parallel import SHARED, next_unit
+    takes own-cluster modules; the other takes modules without Ray from the first, then own-cluster ones; both take
+    the own-cluster modules longest first, a module of unknown length before the known (units are "<tier>:<module
+    file>")."""
+    from parallel import OWN_CLUSTER_SECONDS, SHARED, next_unit
 
-    units = ["0:a", "0:b", SHARED, "2:x", "2:y"]
+    short, long = sorted(OWN_CLUSTER_SECONDS, key=OWN_CLUSTER_SECONDS.get)[:2]
+    units = ["0:a", "0:b", SHARED, f"2:{short}", f"2:{long}", "2:new"]
     assert next_unit(units, took_shared=False) == SHARED   # whichever worker asks first
     units.remove(SHARED)
     assert next_unit(units, took_shared=False) == "0:a"
-    assert next_unit(units, took_shared=True) == "2:y"
-    assert next_unit(["0:b", "2:x"], took_shared=False) == "0:b"
-    assert next_unit(["2:x"], took_shared=False) == "2:x"
-    assert next_unit(["0:b"], took_shared=True) == "0:b"
+    assert next_unit(units, took_shared=True) == "2:new"
+    units.remove("2:new")
+    assert next_unit(units, took_shared=True) == f"2:{long}"
+    assert next_unit(["0:b", f"2:{short}"], took_shared=False) == "0:b"
+    assert next_unit([f"2:{short}"], took_shared=False) == f"2:{short}"
+    assert next_unit(["0:a", "0:b"], took_shared=True) == "0:b"
