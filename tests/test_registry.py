@@ -36,7 +36,7 @@ def files(model_dir, tmp_path_factory):
 
 def app_args(files, **overrides) -> dict:
     return {**dict(model=str(files["model"]), served_model_name=BASE, adapters={"a": str(files["a"])}, device="cpu",
-                   max_model_len=256, max_lora_rank=8, num_replicas=2), **overrides}
+                   max_model_len=256, max_lora_rank=8, num_replicas=2, registry_sync_interval_s=0.1), **overrides}
 
 
 @pytest.fixture(scope="module")
