@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from benchmarks.checkpoint import ALL7, build_adapters, build_checkpoint
 from benchmarks.common import FULL, Sizes, machine_info, sizes_dict, write_result
 from benchmarks.hotload import percentile
+from benchmarks.procfs import process_cpu_seconds, process_tree
 
 
 @dataclass(frozen=True)
@@ -214,31 +215,6 @@ def serve_cpu_seconds() -> dict[str, float]:
         if role is not None and actor["State"] == "ALIVE":
             out[role] = out.get(role, 0.0) + sum(map(process_cpu_seconds, process_tree(actor["Pid"])))
     return out
-
-
-def process_tree(root: int) -> list[int]:
-    """`root` and its live descendants (a replica's engine process is its child)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                ppid = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
-            except OSError:
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    tree, todo = [], [root]
-    while todo:
-        tree.append(pid := todo.pop())
-        todo += children.get(pid, [])
-    return tree
-
-
-def process_cpu_seconds(pid: int) -> float:
-    try:
-        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    except OSError:   # gone meanwhile
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # utime + stime
 
 
 def replace_arrival(request: dict, arrival: float) -> dict:

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.procfs import process_tree
 from workers.ray_utils import LOCAL_RAY_ENV
 
 LISTEN = "0A"   # TCP_LISTEN in /proc/net/tcp{,6}
@@ -42,25 +43,6 @@ def decode_address(hex_address: str) -> tuple[ipaddress.IPv4Address | ipaddress.
     address, port = hex_address.split(":")
     raw = b"".join(bytes.fromhex(address[i:i + 8])[::-1] for i in range(0, len(address), 8))
     return ipaddress.ip_address(raw), int(port, 16)
-
-
-def process_tree(root: int) -> list[int]:
-    """`root` and all its descendants (Ray's GCS, raylet and agents are children of the driver, workers of
-    the raylet)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-    tree, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        tree.append(pid)
-        todo += children.get(pid, [])
-    return tree
 
 
 def engine_processes(root: int) -> list[int]:

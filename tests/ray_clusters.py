@@ -72,7 +72,7 @@ def cluster_processes(temp_dir: str) -> list[int]:
     """The processes of the Ray cluster under `temp_dir`: those naming it, and its Ray Client server, which names
     only the GCS's address (so `processes_of(temp_dir)` misses it)."""
     pids = processes_of(temp_dir)
-    ports = {arg.split("=", 1)[1] for pid in pids for arg in _arguments(pid) if arg.startswith("--gcs_server_port=")}
+    ports = {arg.split("=", 1)[1] for pid in pids for arg in command_line(pid) if arg.startswith("--gcs_server_port=")}
     clients = [pid for port in ports for pid in processes_of(f"ray.util.client.server --address={LOOPBACK}:{port} ")]
     return sorted({*pids, *clients})
 
@@ -113,7 +113,8 @@ def stop_processes_of(temp_dir: str, grace_s: float = 10.0) -> list[int]:
     return sorted(stopped)
 
 
-def _arguments(pid: int) -> list[str]:
+def command_line(pid: int) -> list[str]:
+    """The arguments `pid` was started with ([] when it is gone)."""
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
     except OSError:

@@ -16,6 +16,7 @@ import pytest
 from deployments.config import LLMConfig
 from deployments.placement import PlacementError, check_placement
 from processes import alive, process_tree, start_cli, stop_tree, wait_exit
+from ray_clusters import command_line
 from serve_fixtures import wait_until
 from workers.ray_utils import free_port
 
@@ -81,14 +82,7 @@ def test_sigterm_while_blocked_waiting_for_a_replica_stops_the_cli(tmp_path):
 def test_sigterm_while_ray_starts_stops_the_cli(tmp_path):
     proc = run_cli(tmp_path, "--num-cpus", "2")
     wait_until(lambda: proc.poll() is not None or any(
-        "gcs_server" in _cmdline(pid) for pid in process_tree(proc.pid)), START_BOUND_S, "Ray's GCS to start")
+        "gcs_server" in " ".join(command_line(pid)) for pid in process_tree(proc.pid)), START_BOUND_S,
+        "Ray's GCS to start")
     assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
     sigterm_and_check(proc, tmp_path)   # inside ray.init: the raylet and agents are still starting
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline") as f:
-            return f.read()
-    except OSError:
-        return ""

@@ -135,7 +135,9 @@ def test_hot_load_is_served_by_every_replica_and_unload_reaches_all(url, files):
         if len(served_by) == 2:
             break
     assert len(served_by) == 2
-    assert all("hot" in s["adapters_loaded"] for s in replica_stats().values())
+    # stats are each replica's last heartbeat (every registry_sync_interval_s): the serving replica's may lag
+    wait_until(lambda: all("hot" in s["adapters_loaded"] for s in replica_stats().values()), 10,
+               "both replicas' heartbeats to report the hot adapter loaded")
 
     unload = requests.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "hot"}, timeout=120)
     assert unload.status_code == 200, unload.text

@@ -14,6 +14,7 @@ import pytest
 import requests
 import yaml
 
+from ray_clusters import processes_of
 from serve_fixtures import wait_until
 from workers.ray_utils import LOCAL_RAY_ENV, free_port
 
@@ -40,19 +41,6 @@ def test_serve_config_is_a_valid_serve_deploy_schema():
     assert app.import_path == "deployments.app:build_app"
     config = LLMConfig.model_validate(app.args)
     assert config.autoscaling_config["max_replicas"] >= config.autoscaling_config["min_replicas"] >= 1
-
-
-def _processes_under(marker: str) -> list[int]:
-    """Pids whose command line names `marker` (our Ray's private temp dir): what the subprocess left behind."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if marker in (entry / "cmdline").read_bytes().decode(errors="replace"):
-                    pids.append(int(entry.name))
-            except OSError:
-                pass
-    return pids
 
 
 @pytest.mark.own_cluster
@@ -93,7 +81,7 @@ def test_serve_run_serve_config_answers_a_completion(tmp_path, demo_cache):
                 break
             except (ProcessLookupError, subprocess.TimeoutExpired):
                 continue
-        for pid in _processes_under(ray_dir):   # any Ray daemon that left the group
+        for pid in processes_of(ray_dir):   # any Ray daemon that left the group
             os.kill(pid, signal.SIGKILL)
         log.close()
         shutil.rmtree(ray_dir, ignore_errors=True)
