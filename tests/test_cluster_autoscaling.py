@@ -34,7 +34,9 @@ APP, BASE, ADAPTER = "scale", "tiny", "hot"
 REPLICA_HEADER = "x-loraserve-replica"
 IDLE_TIMEOUT_S = 6                      # the autoscaler's idle_timeout_minutes, short for a test
 TP = 2
-SAMPLING = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+# Requests long enough that the burst's cost is decoding rather than a request's way through HTTP and Serve: the
+# burst keeps one replica full for as long as the new node takes to start, beside the other tests of the run.
+SAMPLING = {"max_tokens": 32, "temperature": 0.0, "ignore_eos": True}
 # More clients than one replica admits (max_ongoing_requests: 2): Serve routes an adapter to the replicas holding
 # it while they have room, so only the overflow reaches the new replica (which loads it from the registry).
 BURST_WORKERS, BURST_MAX_REQUESTS, BURST_MAX_S = 3, 2000, 150   # bounded in count and in time
