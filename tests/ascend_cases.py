@@ -11,7 +11,7 @@ import torch
 import ascend_emulator as emulator
 from ascend_emulator import CALLS, CONVENTION, register_emulator
 from lora import ops
-from lora.backends import ascend
+from lora.backends import ascend_probe
 from lora.batch import LoRABatchInfo, make_batch_info
 
 
@@ -24,10 +24,10 @@ def npu_ops() -> Counter[str]:
 @pytest.fixture(autouse=True)
 def today_s_convention():
     CONVENTION["now"] = emulator.TODAY
-    ascend._PROBED.clear()
+    ascend_probe._PROBED.clear()
     yield
     CONVENTION["now"] = emulator.TODAY
-    ascend._PROBED.clear()
+    ascend_probe._PROBED.clear()
 
 
 STACKS = {"plain": (48,), "qkv": (32, 16, 16), "gate_up": (48, 48)}

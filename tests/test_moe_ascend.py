@@ -12,7 +12,7 @@ import torch
 
 import ascend_emulator as emulator
 from ascend_emulator import CALLS, CONVENTION, register_emulator
-from lora.backends import ascend
+from lora.backends import ascend, ascend_probe
 from lora.backends.torch_native import TorchNativeBackend
 from lora.expert_layers import MoeExpertsLoRA, wrap_experts
 from lora.slots import SlotPool
@@ -28,10 +28,10 @@ DTYPE = torch.bfloat16
 @pytest.fixture(autouse=True)
 def kernels():
     register_emulator()
-    ascend._PROBED.clear()
+    ascend_probe._PROBED.clear()
     yield
     CONVENTION["now"] = emulator.TODAY
-    ascend._PROBED.clear()
+    ascend_probe._PROBED.clear()
 
 
 def make_pool(seed: int = 0) -> SlotPool:
@@ -76,8 +76,9 @@ def test_expert_lora_through_the_kernels_matches_the_torch_ops(contract, phase, 
             p.normal_(std=0.2)
     pool = make_pool()
     expected = ascend.PR676 if contract == emulator.PR676 else ascend.TODAY
-    assert ascend.installed_contract("cpu", DTYPE, ops=torch.ops.npu) is expected   # the start-up probe
-    npu = ascend.AscendBackend("cpu", DTYPE, R, ops=torch.ops.npu)
+    probed = ascend_probe.installed_contract("cpu", DTYPE, ops=torch.ops.npu)   # the start-up probe
+    assert probed is expected
+    npu = ascend.AscendBackend("cpu", DTYPE, R, ops=torch.ops.npu, contract=probed)
     kernel_block, torch_block = wrapped_block(block, pool, npu), wrapped_block(block, pool, TorchNativeBackend("cpu", DTYPE, R))
     assert not npu.fallbacks, npu.fallbacks                 # the expert layers take the kernels
     x = torch.randn(len(token_slots), H, dtype=DTYPE)

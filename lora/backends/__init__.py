@@ -11,7 +11,7 @@ import torch
 
 from lora import ops
 from lora.backend_names import BACKENDS, DEFAULTS
-from lora.backends import ascend, cpu_sgmv
+from lora.backends import ascend, ascend_probe, cpu_sgmv
 from lora.backends.base import LoRABackend
 
 log = logging.getLogger(__name__)
@@ -37,9 +37,10 @@ def get_backend(name: str | None, device: torch.device | str, dtype: torch.dtype
             return CpuBackend(device, dtype, max_rank)
         reason = "the CPU LoRA kernel is unavailable (see lora/native.py's warning)"
     else:
-        reason = ascend.unavailable_reason(device, dtype)
-        if reason is None:
-            return ascend.AscendBackend(device, dtype, max_rank)
+        reason = ascend_probe.unavailable_reason(device, dtype)
+        if reason is None:   # the probe passed: its answer is cached
+            contract = ascend_probe.installed_contract(device, dtype)
+            return ascend.AscendBackend(device, dtype, max_rank, contract=contract)
     if name is not None:
         raise RuntimeError(f"lora_backend {chosen!r}: {reason}; set lora_backend: torch_native")
     log.warning("LoRA backend %s: %s; running torch_native (same results, slower)", chosen, reason)

@@ -1,8 +1,8 @@
-"""LoRA on Ascend NPUs through sgl_kernel_npu's kernels (`torch.ops.npu.*`), and their start-up probe.
+"""LoRA on Ascend NPUs through sgl_kernel_npu's kernels (`torch.ops.npu.*`): their contracts and the backend.
 
 Built against sgl-kernel-npu SGL_KERNEL_NPU_VERSION (tag 2026.08.21 = commit f425bdf1; the conventions
 below were checked against its sources). Two contracts exist for the same four op schemas, and the
-probe (`probe` / `installed_contract`) tells which one the installed kernels follow:
+start-up probe (lora/backends/ascend_probe.py) tells which one the installed kernels follow:
 - TODAY (the tag): indices and seq_len read as int64 (int32 is misread, silently); the rank buffer h
   is fp32 (shrink writes it, expand reads it); expand reductions for R in {8, 16, 32, 64}.
 - PR676 (sgl-kernel-npu PR #676, open upstream): int32 indices and a model-dtype h for sgmv and bgmv
@@ -23,13 +23,11 @@ DataCopyPad): in % 16, every slice_size % 16 and y's width % 16 (the LM head sha
 rows for this), fp32 h rows (stack * R) % 8, which R in {8, ..} already gives. T = 0 fails their host
 check too: LayerLoRA returns before any op runs. 310P chips have no sgl-kernel-npu build at all
 (vllm-ascend runs torch ops there): `kernel_dtypes` is empty, so the ascend backend is never chosen
-there (`unavailable_reason`, which lora.backends.get_backend reads: one message, then torch_native).
+there (ascend_probe.unavailable_reason, which lora.backends.get_backend reads: one message, then torch_native).
 """
 from __future__ import annotations
 
 import functools
-import importlib.metadata
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -39,8 +37,6 @@ from lora import ops as torch_ops
 from lora.backends.base import LayerLoRA, LoRABackend, torch_ops as torch_layer_ops
 from lora.batch import LoRABatchInfo, segments
 from lora.transfer import to_device
-
-log = logging.getLogger(__name__)
 
 SGL_KERNEL_NPU_VERSION = "2026.08.21"   # the sgl-kernel-npu tag (its newest)
 SGL_KERNEL_NPU_COMMIT = "f425bdf1"
@@ -100,7 +96,9 @@ def eligible(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: Sequence[torc
                     for s in range(stack)))
 
 
-def _run(y, x, a, b, offsets, index: tuple[torch.Tensor, ...], by_token: bool, ops, contract: Contract) -> None:
+def run_kernels(y, x, a, b, offsets, index: tuple[torch.Tensor, ...], by_token: bool, ops, contract: Contract) -> None:
+    """y += x @ a.T @ b.T through `ops`' shrink and expand under `contract`; `index`: bgmv's (token_slots,) or
+    sgmv's (seg_slots, seg_lens). The operands are ones `eligible` accepts."""
     R = b[0].shape[2]
     assert a.is_contiguous() and all(b_s.is_contiguous() for b_s in b), "the kernels read the slot buffers densely"
     assert a.shape[1] == len(b) * R and offsets[-1] <= y.shape[1], (a.shape, R, offsets, y.shape)
@@ -119,7 +117,7 @@ def _run(y, x, a, b, offsets, index: tuple[torch.Tensor, ...], by_token: bool, o
 
 def _add_lora(y, x, a, b, offsets, info: LoRABatchInfo, by_token: bool, ops, contract: Contract = TODAY) -> None:
     index = (info.token_slots,) if by_token else (info.seg_slots, info.seg_lens)
-    _run(y, x, a, b, offsets, index, by_token, ops, contract)
+    run_kernels(y, x, a, b, offsets, index, by_token, ops, contract)
 
 
 def add_lora_sgmv(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: Sequence[torch.Tensor],
@@ -138,128 +136,6 @@ def add_lora_bgmv(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: Sequence
     _add_lora(y, x, a, b, offsets, info, True, torch.ops.npu, contract)
 
 
-def _installed_version() -> str:
-    try:   # the package's own metadata has lagged its releases: the probe checks behaviour instead
-        return importlib.metadata.version("sgl_kernel_npu")
-    except importlib.metadata.PackageNotFoundError:
-        return "(no package metadata)"
-
-
-ADVICE = (f"install sgl-kernel-npu {SGL_KERNEL_NPU_VERSION} (commit {SGL_KERNEL_NPU_COMMIT}) built for your CANN "
-          f"toolkit and SoC (README: 'Run on a Ray cluster of NPUs'), or set lora_backend: torch_native")
-
-
-def _kernel_ops(ops):
-    """The op namespace holding the kernels: `ops`, else torch.ops.npu once sgl_kernel_npu registered them."""
-    if ops is not None:
-        return ops
-    if not hasattr(torch.ops.npu, "sgmv_shrink"):
-        try:
-            import sgl_kernel_npu  # noqa: F401  registers torch.ops.npu.* (needs torch_npu and CANN)
-        except Exception as exc:   # absent (ImportError), or a build for another CANN / torch (OSError, ...)
-            raise RuntimeError(f"sgl_kernel_npu is not importable ({exc.__class__.__name__}: {exc}); {ADVICE}") from exc
-    return torch.ops.npu
-
-
-def _synchronize(device: torch.device) -> None:
-    """A kernel's device-side failure surfaces here (launches are asynchronous)."""
-    if device.type != "cpu":
-        getattr(torch, device.type).synchronize()
-
-
-def _known_answer(ops, device: torch.device, dtype: torch.dtype, by_token: bool, contract: Contract) -> str | None:
-    """One tiny call under `contract` against torch's result (small integers: exact in every dtype, the
-    rank buffer's included); None if equal, else what went wrong."""
-    T, in_dim, R, out = 3, 32, 16, 16
-    small = lambda n, shape: ((torch.arange(n) % 3) - 1).reshape(shape)  # noqa: E731
-    x, a, b = small(T * in_dim, (T, in_dim)), small(2 * R * in_dim, (2, R, in_dim)), small(2 * out * R, (2, out, R))
-    slots = [1, -1, 0]
-    y0 = torch.ones(T, out)
-    expected = y0.clone()
-    for t, slot in enumerate(slots):
-        if slot >= 0:
-            expected[t] += b[slot] @ (a[slot] @ x[t])
-
-    def indices(values: list[int]) -> torch.Tensor:
-        # in the contract's dtype, zero-padded to twice its length: a kernel reading them at the other width
-        # (int64 as int32 or back) still finds indices in range or negative, never a read past the weights
-        return to_device([*values, *[0] * len(values)], device, contract.index_dtype)[:len(values)]
-
-    index = (indices(slots),) if by_token else (indices(slots), indices([1] * T))
-    try:   # a kernel's host check raises at the call, its device-side error at the synchronisation
-        y = y0.to(device, dtype)
-        _run(y, x.to(device, dtype), a.to(device, dtype), (b.to(device, dtype),), (0, out), index, by_token, ops,
-             contract)
-        _synchronize(device)
-        got = y.float().cpu()
-    except Exception as exc:
-        return f"{exc.__class__.__name__}: {''.join(str(exc).strip().splitlines()[:1])}"
-    return None if torch.equal(got, expected) else f"wrong result {got.tolist()}, expected {expected.tolist()}"
-
-
-def probe(device: torch.device | str, dtype: torch.dtype, ops=None) -> Contract | None:
-    """At start-up: which contract (TODAY or PR676) the installed kernels follow, by their op schemas and a
-    tiny known-answer call of sgmv and bgmv under each (today's first: PR #676's TORCH_CHECKs refuse its
-    int64 indices, so a call never reads indices of the wrong width on a kernel that checks). None when
-    nothing of the kernels is used for `dtype` here; RuntimeError naming both contracts when neither
-    gives the known answer. `ops`: the op namespace (default torch.ops.npu, importing sgl_kernel_npu)."""
-    device = torch.device(device)
-    if dtype not in device_dtypes(device):
-        return None   # every call falls back to the torch ops: nothing of the kernels is used
-    ops = _kernel_ops(ops)
-    for name, types in SCHEMAS.items():
-        packet = getattr(ops, name, None)
-        got = tuple(str(arg.type) for arg in packet.default._schema.arguments) if packet is not None else None
-        if got != types:
-            found = "is missing" if got is None else f"takes {got}, expected {types}"
-            raise RuntimeError(f"sgl_kernel_npu {_installed_version()}: op {name} {found}; {ADVICE}")
-    failures = []
-    for contract in CONTRACTS:
-        wrong = next((f"{kind} {w}" for by_token, kind in ((False, "sgmv"), (True, "bgmv"))
-                      if (w := _known_answer(ops, device, dtype, by_token, contract))), None)
-        if wrong is None:
-            if contract is not TODAY:
-                log.warning("sgl_kernel_npu %s follows %s, not %s: calling it that way", _installed_version(),
-                            contract, TODAY)
-            return contract
-        failures.append(f"with the conventions of {contract}: {wrong}")
-    raise RuntimeError(f"sgl_kernel_npu {_installed_version()} follows neither contract this backend knows ("
-                       + "; ".join(failures) + f"); {ADVICE}")
-
-
-_PROBED: dict[tuple, Contract | None] = {}   # (device, dtype, ops) -> the probe's answer, once per process
-
-
-def _key(device: torch.device | str, dtype: torch.dtype, ops) -> tuple:
-    return str(torch.device(device)), dtype, id(ops) if ops is not None else None
-
-
-def installed_contract(device: torch.device | str, dtype: torch.dtype, ops=None) -> Contract | None:
-    """`probe`'s answer, probed once per (device, dtype, op namespace); raises as `probe` does."""
-    key = _key(device, dtype, ops)
-    if key not in _PROBED:
-        _PROBED[key] = probe(device, dtype, ops=ops)
-    return _PROBED[key]
-
-
-def unavailable_reason(device: torch.device | str, dtype: torch.dtype, ops=None) -> str | None:
-    """The "kernels absent -> torch_native" decision (lora.backends.get_backend): why the ascend backend cannot
-    serve `dtype` on `device` (a 310P chip, a dtype without kernels, sgl_kernel_npu absent or of an unknown
-    contract), as one message; None: it can (the probe passed)."""
-    device = torch.device(device)
-    dtypes = device_dtypes(device)
-    if not dtypes:
-        return (f"{_device_name(device.index or 0)}: sgl-kernel-npu has no build for 310P chips (vllm-ascend runs "
-                f"the torch ops there too)")
-    if dtype not in dtypes:
-        return f"sgl_kernel_npu has no {dtype} kernels (only {', '.join(str(d) for d in dtypes)})"
-    try:
-        installed_contract(device, dtype, ops=ops)
-    except RuntimeError as exc:
-        return str(exc)
-    return None
-
-
 class AscendBackend(LoRABackend):
     """sgmv over the step's segments for prefill, bgmv over the per-token slots for decode and graph
     replay, called under the installed kernels' contract; layers the kernels do not take (see `eligible`)
@@ -271,8 +147,7 @@ class AscendBackend(LoRABackend):
                  contract: Contract | None = None):
         super().__init__(device, dtype, max_rank)
         self.ops = ops if ops is not None else torch.ops.npu
-        # the contract the probe found (lora.backends.get_backend probes before building the backend)
-        self.contract = contract or _PROBED.get(_key(device, dtype, ops)) or TODAY
+        self.contract = contract or TODAY   # the probe's answer (ascend_probe.installed_contract: get_backend's)
         self.needs_plan = False   # a layer on the torch maths (or an embedding) reads the grouped plan
 
     def batch_info(self, token_slots: list[int], slot_ranks: Sequence[int], phase: str,
