@@ -207,6 +207,7 @@ def _stop(app_name: str, joined: bool, drain: bool, temp_dir: str | None) -> Non
     drained its requests if it was serving (bounded: SERVE_SHUTDOWN_S)."""
     import ray
     from ray import serve
+    from ray._private import auto_init_hook
 
     STOPPING.set()
     deadline = threading.Timer(SHUTDOWN_GRACE_S, os._exit, (1,))   # whatever hangs below, the process ends
@@ -222,6 +223,9 @@ def _stop(app_name: str, joined: bool, drain: bool, temp_dir: str | None) -> Non
         stopper = threading.Thread(target=stop_serve, daemon=True)   # bounded: ray.shutdown ends it regardless
         stopper.start()
         stopper.join(SERVE_SHUTDOWN_S)
+    # A Serve call still waiting in the stopper (past its bound) must not start a Ray of its own once ours is
+    # down: its next ray.get would (Ray's auto-init), a new cluster under /tmp/ray that nothing stops.
+    auto_init_hook.enable_auto_connect = False
     ray.shutdown()   # also after an interrupted ray.init: stops the processes it had started
     if temp_dir:
         shutil.rmtree(temp_dir, ignore_errors=True)

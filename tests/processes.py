@@ -118,6 +118,12 @@ def stop_tree(proc: subprocess.Popen, pids: list[int]) -> None:
             pass
 
 
+def default_ray_sessions(pid: int) -> list[Path]:
+    """Session dirs that `pid` created under Ray's default temp dir (`ray.init()` without `_temp_dir`, e.g. Ray's
+    auto-init after a shutdown): none of our processes may start a Ray there."""
+    return sorted(Path("/tmp/ray").glob(f"session_*_{pid}"))
+
+
 def wait_exit(proc: subprocess.Popen, timeout: float) -> tuple[int | None, float]:
     """(exit status or None if it still runs after `timeout`, seconds waited)."""
     start = time.monotonic()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from processes import start_cli, stop_tree, wait_exit
+from processes import default_ray_sessions, start_cli, stop_tree, wait_exit
 from serve_fixtures import wait_until
 from shared_cluster import NUM_CPUS
 from workers.ray_utils import free_port
@@ -29,6 +29,7 @@ def test_impossible_placement_fails_at_once_with_what_it_asked_and_what_the_clus
         print(f"failed {time.monotonic() - started:.1f}s after the CLI started")
         assert f"cannot start: an LLMServer replica asks for {{CPU: {NUM_CPUS + 1}}} on one node" in log, log[-3000:]
         assert f"its 1 node(s) have {{CPU: {NUM_CPUS}}}" in log and "--placement-timeout 0" in log
+        assert default_ray_sessions(proc.pid) == [], log[-3000:]
     finally:
         stop_tree(proc, [])
     from ray import serve
@@ -55,6 +56,7 @@ def test_a_replica_the_busy_cluster_cannot_place_in_time_fails_the_start(tmp_pat
         assert status == 1, log[-3000:]
         assert f"was not placed within 3s; the cluster has {{CPU: 1}} available, {{CPU: {NUM_CPUS}}}" in log, \
             log[-3000:]
+        assert default_ray_sessions(proc.pid) == [], log[-3000:]   # its stop started no Ray of its own
     finally:
         stop_tree(proc, [])
     # a cluster it joined: the CLI removed its application only, not Serve or what else runs there
