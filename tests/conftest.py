@@ -11,6 +11,9 @@ os.environ["RAY_AUTH_MODE"] = "disabled"
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# torch.compile's caches (tests/test_lora_ops.py, test_capture.py) in the repo's ignored cache dir, not /tmp
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(REPO, ".cache", "torchinductor"))
 # torch's OpenMP threads (libgomp) spin ~300k iterations before they sleep; the suite's two workers and their
 # processes share 2 cores, where that spinning takes the CPU from the process a waiting thread waits for.
 os.environ.setdefault("GOMP_SPINCOUNT", "30000")
