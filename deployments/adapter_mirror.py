@@ -1,9 +1,12 @@
 """Each LLMServer replica's mirror of the app's adapter registry (adapter_registry.py), applied to its engine.
 
-The mirror polls the registry's version every `sync_interval_s` (also
-reporting its stats), and on a change it unloads adapters that were removed
-and reloads those whose source changed, or whose weights another replica's
-hot-load found changed at the same source (the registry's revision). A replica started later by
+The mirror reports to the registry (its applied version and stats: the
+replica's heartbeat), then waits until the registry's version moves or the
+next heartbeat is due (`sync_interval_s`): a long poll, so a change reaches
+every replica at once and an idle app costs one report a period. On a change
+it unloads adapters that were removed and reloads those whose source changed,
+or whose weights another replica's hot-load found changed at the same source
+(the registry's revision). A replica started later by
 autoscaling reads the same registry, so it serves every hot-loaded adapter.
 A hot-load or unload returns only once every live replica has applied it
 (bounded wait), so "unloaded" means unloaded everywhere. While the registry
@@ -147,7 +150,8 @@ class AdapterMirror:
             self.sources, self.revisions = sources, revisions
 
     async def run(self) -> None:
-        """The replica's background task: sync forever (errors are retried; the registry may restart)."""
+        """The replica's background task: sync, then wait for a change or the next heartbeat, forever (errors
+        are retried a period later; the registry may restart)."""
         failing = False
         while True:
             try:
@@ -155,6 +159,8 @@ class AdapterMirror:
                 if failing:
                     logger.info("replica %s: adapter registry answers again", self.replica_id)
                 failing = False
+                await self.registry.call(lambda registry: registry.changes.remote(self.version, self.sync_interval_s),
+                                         self.sync_interval_s + CALL_TIMEOUT_S)
             except asyncio.CancelledError:
                 raise
             except Exception:   # noqa: BLE001  (transient: keep serving with the last copy)
@@ -162,7 +168,7 @@ class AdapterMirror:
                     logger.warning("replica %s: adapter registry sync failed; serving from the last copy",
                                    self.replica_id, exc_info=True)
                 failing = True
-            await asyncio.sleep(self.sync_interval_s)
+                await asyncio.sleep(self.sync_interval_s)
 
     async def close(self) -> None:
         await self.registry.call(lambda registry: registry.forget.remote(self.replica_id))

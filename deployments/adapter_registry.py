@@ -64,7 +64,10 @@ class AdapterRegistry:
         self._revisions: dict[str, int] = {}
         self._seeded: set[tuple[str, str]] = set()
         self._version = 0
-        self._stale_after_s = max(3.0, 10 * sync_interval_s)
+        self._bumped = asyncio.Event()   # set (and replaced) at every change: what `changes` waits on
+        # a live replica reports at least every sync_interval_s (mirror's long poll); one silent for several
+        # periods is gone (downscaled or dead)
+        self._stale_after_s = max(3.0, 4 * sync_interval_s)
         self._replicas: dict[str, tuple[int, float, dict]] = {}   # id -> (applied version, seen at, stats)
         saved = internal_kv._internal_kv_get(key, namespace=NAMESPACE)
         if saved is not None:   # a restart: the state as of the last acknowledged change
@@ -75,6 +78,11 @@ class AdapterRegistry:
         # after a restart, wait_applied first lets every live replica report once (replicas are not persisted)
         self._settled_at = time.monotonic() + (3 * sync_interval_s if saved is not None else 0.0)
         self._app_watch: asyncio.Task | None = None
+
+    def _bump(self) -> None:
+        self._version += 1
+        self._bumped.set()
+        self._bumped = asyncio.Event()
 
     def _save(self) -> None:
         state = {"version": self._version, "sources": self._sources, "revisions": self._revisions,
@@ -91,7 +99,7 @@ class AdapterRegistry:
             changed = {name: src for name, src in fresh.items() if self._sources.get(name) != src}
             if changed:
                 self._sources.update(changed)
-                self._version += 1
+                self._bump()
             self._save()
         return self._version
 
@@ -101,7 +109,7 @@ class AdapterRegistry:
         if self._sources.get(name) != source or renewed:
             self._sources[name] = source
             self._revisions[name] = self._revisions.get(name, 0) + 1
-            self._version += 1
+            self._bump()
             self._save()
         return self._version, self._revisions.get(name, 0)
 
@@ -110,7 +118,7 @@ class AdapterRegistry:
         if self._sources.pop(name, None) is None:
             return None
         self._revisions.pop(name, None)
-        self._version += 1
+        self._bump()
         self._save()
         return self._version
 
@@ -125,6 +133,16 @@ class AdapterRegistry:
         """A replica's heartbeat: what it has applied, and its stats; returns the current version."""
         self._watch_app()
         self._replicas[replica_id] = (applied_version, time.monotonic(), stats)
+        return self._version
+
+    async def changes(self, known_version: int, timeout_s: float) -> int:
+        """A long poll: the current version as soon as it differs from `known_version`, else after `timeout_s`
+        (the caller's next heartbeat)."""
+        if self._version == known_version:
+            try:
+                await asyncio.wait_for(self._bumped.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                pass
         return self._version
 
     async def forget(self, replica_id: str) -> None:

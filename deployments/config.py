@@ -50,7 +50,9 @@ class LLMConfig(BaseModel):
     max_ongoing_requests: int = Field(64, ge=1)
     max_num_models_per_replica: int | None = None  # adapters kept warm per replica; default max_loaded_loras
     replica_cpus: float = Field(1.0, gt=0)
-    registry_sync_interval_s: float = Field(0.25, gt=0)   # how fast replicas see hot-load / unload
+    # each replica's heartbeat to the adapter registry (its stats; silent for 4 periods, 3 s at least: gone);
+    # hot-load and unload reach every replica at once (a long poll: adapter_mirror.py)
+    registry_sync_interval_s: float = Field(1.0, gt=0)
     # A stream's events ready within this window go to the ingress as one item (deployments/stream_batch.py):
     # several decode steps on an accelerator, less than one on a CPU; it adds at most this to a token's latency
     stream_batch_interval_ms: float = Field(10.0, ge=0, le=1000)

@@ -41,7 +41,7 @@ def scenario_app_args(model: str, **overrides) -> dict:
     node holds. Two requests fill a replica, so a burst of three overflows to the replica autoscaling adds."""
     return {"model": model, "device": "cpu", "device_resource": "NPU", "tensor_parallel_size": 2,
             "max_model_len": 256, "max_num_seqs": 8, "autoscaling_config": SCENARIO_AUTOSCALING,
-            "max_ongoing_requests": 2, "registry_sync_interval_s": 0.1,
+            "max_ongoing_requests": 2,
             "placement_timeout_s": None,   # no NPU node exists until the autoscaler starts one: wait for it
             **overrides}
 

@@ -49,7 +49,7 @@ def apps(files, shared_serve):
     from deployments.app import build_app
 
     common = dict(model=str(files["model"]), served_model_name=BASE, adapters={"a": str(files["a"])}, device="cpu",
-                  max_model_len=MAX_MODEL_LEN, max_lora_rank=8, num_replicas=1, registry_sync_interval_s=0.1)
+                  max_model_len=MAX_MODEL_LEN, max_lora_rank=8, num_replicas=1)
     apps = {"one": 1, "tp": 2}   # TP=2 replica: 3 CPUs; TP=1: 1 (of the shared cluster's 6)
     serve.run_many([serve.RunTarget(build_app(dict(common, tensor_parallel_size=tp)), name=app, route_prefix=f"/{app}")
                     for app, tp in apps.items()])   # started together

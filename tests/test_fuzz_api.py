@@ -117,8 +117,7 @@ def url(model_dir, tmp_path_factory, shared_serve):
     fixed = make_adapter(model, root / "fixed", r=4, seed=21)
     serve.run(build_app(dict(model=str(model), served_model_name=BASE, adapters={"fixed": str(fixed)},
                              device="cpu", max_model_len=128, api_key=KEY, enable_hotload=True,
-                             adapter_roots=[str(root)], max_request_bytes=MAX_BYTES,
-                             registry_sync_interval_s=0.1)), name=APP, route_prefix="/")
+                             adapter_roots=[str(root)], max_request_bytes=MAX_BYTES)), name=APP, route_prefix="/")
     return shared_serve
 
 

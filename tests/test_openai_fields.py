@@ -29,8 +29,8 @@ def url(files, shared_serve):
     from deployments.app import build_app
 
     serve.run(build_app(dict(model=str(files["model"]), served_model_name=BASE, adapters={"a": str(files["a"])},
-                             device="cpu", dtype="float32", max_model_len=256, max_lora_rank=8, num_replicas=1,
-                             registry_sync_interval_s=0.1)), name=APP, route_prefix="/")
+                             device="cpu", dtype="float32", max_model_len=256, max_lora_rank=8, num_replicas=1)),
+              name=APP, route_prefix="/")
     return shared_serve
 
 

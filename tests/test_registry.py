@@ -36,7 +36,7 @@ def files(model_dir, tmp_path_factory):
 
 def app_args(files, **overrides) -> dict:
     return {**dict(model=str(files["model"]), served_model_name=BASE, adapters={"a": str(files["a"])}, device="cpu",
-                   max_model_len=256, max_lora_rank=8, num_replicas=2, registry_sync_interval_s=0.1), **overrides}
+                   max_model_len=256, max_lora_rank=8, num_replicas=2), **overrides}
 
 
 @pytest.fixture(scope="module")
@@ -213,3 +213,25 @@ def test_a_registry_whose_app_is_gone_drops_itself(url):
 
     wait_until(dropped, 30, "the registry of an app Serve does not know to drop itself")
     assert internal_kv._internal_kv_get(key, namespace=NAMESPACE) is None
+
+
+def test_replicas_wait_on_a_long_poll_that_a_change_ends_at_once(shared_ray):
+    """What each replica's mirror waits on between heartbeats (adapter_mirror.py): a change wakes it, so a
+    hot-load reaches every replica without waiting for the next heartbeat."""
+    import ray
+
+    from deployments.adapter_registry import NAMESPACE, AdapterRegistry
+
+    key = "adapters:longpoll:tiny"
+    registry = AdapterRegistry.options(name=key, namespace=NAMESPACE).remote("longpoll", key, 1.0, app_check_s=600)
+    try:
+        version = ray.get(registry.seed.remote({}))
+        waiting = registry.changes.remote(version, 60)
+        assert ray.wait([waiting], timeout=1)[0] == []   # no change: it waits
+        ray.get(registry.register.remote("x", "/nowhere"))
+        assert ray.get(waiting, timeout=10) == version + 1   # the change ended it, long before its 60 s
+        assert ray.get(registry.changes.remote(version, 60), timeout=10) == version + 1   # known to be behind
+        assert ray.get(registry.changes.remote(version + 1, 0.2), timeout=10) == version + 1   # the heartbeat's
+    finally:
+        ray.get(registry.drop.remote())
+        ray.kill(registry)

@@ -53,7 +53,7 @@ def url(files, shared_serve):
     from deployments.app import build_app
 
     assert "LORASERVE_API_KEY" not in os.environ   # `plain` must run with its defaults
-    common = dict(model=str(files["model"]), device="cpu", max_model_len=256, registry_sync_interval_s=0.1)
+    common = dict(model=str(files["model"]), device="cpu", max_model_len=256)
     secured = build_app(dict(common, served_model_name=BASE, adapters={"fixed": str(files["fixed"])}, api_key=KEY,
                              enable_hotload=True, adapter_roots=[str(files["root"])], max_request_bytes=MAX_BYTES))
     plain = build_app(dict(common, served_model_name="plain"))

@@ -37,7 +37,7 @@ def url(files, shared_serve):
     # max_ongoing_requests=2: a burst overflows the replica holding an adapter, so both replicas serve
     serve.run(build_app(dict(model=str(files["model"]), served_model_name=BASE, adapters={"a": str(files["a"])},
                              device="cpu", max_model_len=MAX_MODEL_LEN, max_lora_rank=MAX_RANK, num_replicas=2,
-                             max_ongoing_requests=2, registry_sync_interval_s=0.1, enable_hotload=True)),
+                             max_ongoing_requests=2, enable_hotload=True)),
               name=APP, route_prefix="/")
     return shared_serve
 
