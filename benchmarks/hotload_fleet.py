@@ -81,11 +81,12 @@ def main(argv=None) -> dict:
         got = run_tree(tree, args.samples)
         for kind, seconds in got.items():
             runs[revision(tree)][kind] += seconds
-        print(f"{revision(tree)}: load p50 {1e3 * median(got['load']):.0f} ms, unload p50 {1e3 * median(got['unload']):.0f} ms",
-              flush=True)
-    result = {"machine": machine_info(), "samples": args.samples, "pairs": args.pairs, "order": [revision(t) for t in order],
-              "trees": {tree: {f"{kind}_p50_ms": 1e3 * median(s) for kind, s in kinds.items()} | {
-                  f"{kind}_max_ms": 1e3 * max(s) for kind, s in kinds.items()} for tree, kinds in runs.items()}}
+        print(f"{revision(tree)}: load p50 {1e3 * median(got['load']):.0f} ms, "
+              f"unload p50 {1e3 * median(got['unload']):.0f} ms", flush=True)
+    summary = {tree: {f"{kind}_{stat}_ms": 1e3 * f(s) for kind, s in kinds.items() for stat, f in
+                      (("p50", median), ("max", max))} for tree, kinds in runs.items()}
+    result = {"machine": machine_info(), "samples": args.samples, "pairs": args.pairs,
+              "order": [revision(t) for t in order], "trees": summary}
     write_result("hotload_fleet", result)
     return result
 
