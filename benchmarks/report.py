@@ -223,6 +223,8 @@ def render(data: dict, note: str = "", results: Path = RESULTS) -> str:
         parts += [f"Machine: {m.get('processor')}, {m.get('cpu_count')} CPUs, torch {m.get('torch')}, "
                   f"{m.get('threads')} threads.", ""]
     parts += ["## Targets", "", table(["target", "measured", "target", "verdict"], targets(data)), ""]
+    if (results / TARGETS_NOTE).exists():   # hand-kept: where the table's rows come from, newer rounds
+        parts += [(results / TARGETS_NOTE).read_text().rstrip(), ""]
     parts += analysis(data)
     parts += ["## Details", ""]
     for name in ("throughput_bfloat16", "throughput_float32"):
@@ -244,13 +246,15 @@ def render(data: dict, note: str = "", results: Path = RESULTS) -> str:
         parts.append(peer_vllm.section(data["peer_vllm_bfloat16"], table, _fmt))
     # Benchmarks run on their own (captured decode, A/B, MoE, W8A8, structured output) keep their
     # section as results/<name>.md beside their JSON: regenerating this file must not drop them.
-    parts += [fragment.read_text().rstrip() + "\n" for fragment in sorted(results.glob("*.md"))]
+    parts += [fragment.read_text().rstrip() + "\n" for fragment in sorted(results.glob("*.md"))
+              if fragment.name != TARGETS_NOTE]
     plots = [p for p in PLOTS if (results / p).exists()]
     if plots:
         parts += ["## Plots", ""] + [f"![{p}]({results.name}/{p})" for p in plots] + [""]
     return "\n".join(parts)
 
 
+TARGETS_NOTE = "targets_note.md"
 PLOTS = ("throughput.png", "peer.png", "roofline.png", "profile.png", "hotload.png")
 
 

@@ -91,3 +91,13 @@ def test_report_keeps_the_sections_of_benchmarks_run_on_their_own(tmp_path):
     (tmp_path / "aa_other.md").write_text("### Other\n")
     text = render({}, results=tmp_path)
     assert "### Mine\n\nratio 1.02" in text and text.index("### Other") < text.index("### Mine")
+
+
+def test_report_keeps_the_note_under_the_targets_table(tmp_path):
+    from benchmarks.report import TARGETS_NOTE, render
+
+    (tmp_path / TARGETS_NOTE).write_text("The serving rows come from another machine.\n")
+    (tmp_path / "zz_mine.md").write_text("### Mine\n")
+    text = render({}, results=tmp_path)
+    assert text.count("The serving rows come from another machine.") == 1   # there, not again among the sections
+    assert text.index("## Targets") < text.index("The serving rows") < text.index("## Details") < text.index("### Mine")
