@@ -34,10 +34,11 @@ def url(files, shared_serve):
 
     from deployments.app import build_app
 
-    # max_ongoing_requests=2: a burst overflows the replica holding an adapter, so both replicas serve
+    # max_ongoing_requests=2: a burst overflows the replica holding an adapter, so both replicas serve.
+    # A 0.1 s heartbeat: the disconnect test must see, in the replicas' stats, a stream that lasts ~2 s here
     serve.run(build_app(dict(model=str(files["model"]), served_model_name=BASE, adapters={"a": str(files["a"])},
                              device="cpu", max_model_len=MAX_MODEL_LEN, max_lora_rank=MAX_RANK, num_replicas=2,
-                             max_ongoing_requests=2, enable_hotload=True)),
+                             max_ongoing_requests=2, enable_hotload=True, registry_sync_interval_s=0.1)),
               name=APP, route_prefix="/")
     return shared_serve
 
