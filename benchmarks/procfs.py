@@ -1,4 +1,4 @@
-"""Processes read from /proc: a process's descendants and its CPU seconds (the serving benchmark's CPU per role,
+"""Processes read from /proc: a process's descendants, its command line, whether it runs and its CPU seconds (the serving benchmark's CPU per role,
 the tests' checks that a service leaves nothing behind)."""
 from __future__ import annotations
 
@@ -32,3 +32,18 @@ def process_cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of `pid` so far (0 when it is gone)."""
     fields = _stat_fields(pid)
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") if fields else 0.0
+
+
+def command_line(pid: int) -> list[str]:
+    """The arguments `pid` was started with ([] when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (a stopped child not reaped yet, or an orphan its adopter reaps late)."""
+    fields = _stat_fields(pid)
+    return bool(fields) and fields[0] != "Z"

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.procfs import process_tree
+from benchmarks.procfs import command_line, process_tree, running
 from workers.ray_utils import LOCAL_RAY_ENV
 
 LISTEN = "0A"   # TCP_LISTEN in /proc/net/tcp{,6}
@@ -48,14 +48,7 @@ def decode_address(hex_address: str) -> tuple[ipaddress.IPv4Address | ipaddress.
 def engine_processes(root: int) -> list[int]:
     """The engine processes (workers/engine_core.py, started by workers/engine_process.py) among `root`'s
     descendants."""
-    found = []
-    for pid in process_tree(root)[1:]:
-        try:
-            if b"workers.engine_core" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                found.append(pid)
-        except OSError:   # exited meanwhile
-            pass
-    return found
+    return [pid for pid in process_tree(root)[1:] if "workers.engine_core" in command_line(pid)]
 
 
 def listening_sockets(pids: list[int]) -> list[Listener]:
@@ -68,8 +61,8 @@ def listening_sockets(pids: list[int]) -> list[Listener]:
                 listening[fields[9]] = fields[1]   # inode -> local address
     found = []
     for pid in pids:
+        name = " ".join(command_line(pid)).strip()
         try:
-            name = Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ").strip()
             fds = os.listdir(f"/proc/{pid}/fd")
         except OSError:
             continue   # exited meanwhile
@@ -86,15 +79,7 @@ def listening_sockets(pids: list[int]) -> list[Listener]:
 
 def alive(pids: list[int]) -> list[int]:
     """The pids that still run (zombies count as gone)."""
-    running = []
-    for pid in pids:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
-            running.append(pid)
-    return running
+    return [pid for pid in pids if running(pid)]
 
 
 def start_cli(*args: str, log: Path, **env: str) -> subprocess.Popen:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from ray.cluster_utils import AutoscalingCluster
 
+from benchmarks.procfs import command_line, running
 from workers.ray_utils import LOCAL_RAY_ENV, LOOPBACK, free_port
 
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -111,22 +112,6 @@ def stop_processes_of(temp_dir: str, grace_s: float = 10.0) -> list[int]:
                 pass
         time.sleep(0.1)
     return sorted(stopped)
-
-
-def command_line(pid: int) -> list[str]:
-    """The arguments `pid` was started with ([] when it is gone)."""
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-    except OSError:
-        return []
-
-
-def running(pid: int) -> bool:
-    """Alive and not a zombie (a stopped child not reaped yet, or an orphan its adopter reaps late)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def listening_addresses(pids: list[int]) -> set[str]:

@@ -13,10 +13,10 @@ import time
 
 import pytest
 
+from benchmarks.procfs import command_line
 from deployments.config import LLMConfig
 from deployments.placement import PlacementError, check_placement
 from processes import alive, process_tree, start_cli, stop_tree, wait_exit
-from ray_clusters import command_line
 from serve_fixtures import wait_until
 from workers.ray_utils import free_port
 

@@ -18,9 +18,9 @@ import time
 import pytest
 import requests
 
+from benchmarks.procfs import running
 from factories import PROMPTS, make_adapter
 from processes import engine_processes
-from ray_clusters import running
 from serve_fixtures import wait_until
 from workers import EngineConfig, LLMEngine, SamplingParams
 

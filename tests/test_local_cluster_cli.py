@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ray_clusters import (cluster_processes, listening_addresses, local_env, processes_of, running,
-                          stop_processes_of)
+from benchmarks.procfs import running
+from ray_clusters import cluster_processes, listening_addresses, local_env, processes_of, stop_processes_of
 from serve_fixtures import wait_until
 from workers.ray_utils import SERVING_RAY_ENV, free_port
 
