@@ -16,15 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-from benchmarks.checkpoint import cache_root
 from benchmarks.common import machine_info, median, write_result
-
-ROOT = Path(__file__).resolve().parent.parent
+from benchmarks.trees import checkout, run_child
 WORKLOADS = ("base", "one", "eight")
 CHILD = """
 import json, sys, time
@@ -52,25 +46,8 @@ for w in sys.argv[4].split(","):
     out[w] = {"cpu_ms_per_token": 1e3 * cpu / tokens, "output_tok_s": tokens / sum(t.wall_s for t in rows),
               "prefill_s": sum(t.prefill_s for t in rows) / reps, "decode_s": sum(t.decode_s for t in rows) / reps}
 engine.close()
-print(json.dumps(out))
+print("RESULT " + json.dumps(out))
 """
-
-
-def checkout(rev: str) -> Path:
-    sha = subprocess.run(["git", "-C", str(ROOT), "rev-parse", rev], check=True, capture_output=True,
-                         text=True).stdout.strip()
-    tree = ROOT / ".cache" / "ab" / sha[:12]
-    if not tree.exists():
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), sha], check=True,
-                       capture_output=True)
-    return tree
-
-
-def run_once(tree: Path, dtype: str, threads: int, reps: int) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(tree), LORASERVE_BENCH_CACHE=str(cache_root()))
-    done = subprocess.run([sys.executable, "-c", CHILD, dtype, str(threads), str(reps), ",".join(WORKLOADS)],
-                          cwd=tree, env=env, check=True, capture_output=True, text=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def ratios(got: dict, key: str) -> dict:
@@ -90,7 +67,8 @@ def main(argv=None) -> dict:
     pairs = []
     for i in range(args.pairs):
         order = ("old", "new") if i % 2 == 0 else ("new", "old")
-        got = {side: run_once(trees[side], args.dtype, args.threads, args.reps) for side in order}
+        got = {side: run_child(trees[side], CHILD, args.dtype, str(args.threads), str(args.reps), ",".join(WORKLOADS),
+                         timeout=3600) for side in order}
         pair = {"order": order, "results": got, "cpu_new_over_old": ratios(got, "cpu_ms_per_token"),
                 "tok_s_new_over_old": ratios(got, "output_tok_s"), "prefill_new_over_old": ratios(got, "prefill_s")}
         pairs.append(pair)

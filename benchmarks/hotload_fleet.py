@@ -4,23 +4,17 @@ returns once every replica has applied the change, so this is the time until the
 
     .venv/bin/python -m benchmarks.hotload_fleet [--samples 10] [--tree DIR --tree DIR2 ...]
 
-Each tree (default: this checkout; another revision: `git worktree add .cache/ab/<rev> <rev>`) runs in a process
-of its own with that tree first on the path (Ray's workers and the engines inherit it), alternating a, b, b, a
-with --pairs, so that a ratio comes from one run on a shared machine. The app uses each tree's defaults.
+Each tree (default: this checkout; another revision: its worktree .cache/ab/<sha>, benchmarks.trees.checkout)
+runs in a process of its own with that tree first on the path (benchmarks/trees.py), alternating a, b, b, a with
+--pairs, so that a ratio comes from one run on a shared machine. The app uses each tree's defaults.
 """
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-from benchmarks.checkpoint import cache_root
 from benchmarks.common import machine_info, median, write_result
-
-ROOT = Path(__file__).resolve().parent.parent
+from benchmarks.trees import ROOT, revision, run_child
 CHILD = """
 import json, shutil, sys, tempfile, time
 import ray, requests
@@ -53,21 +47,6 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def run_tree(tree: Path, samples: int) -> dict[str, list[float]]:
-    env = dict(os.environ, PYTHONPATH=str(tree), LORASERVE_BENCH_CACHE=str(cache_root()))   # one checkpoint
-    done = subprocess.run([sys.executable, "-c", CHILD, str(samples)], cwd=tree, env=env, capture_output=True,
-                          text=True, timeout=900)
-    results = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if done.returncode or not results:
-        raise RuntimeError(f"{tree}: exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
-    return json.loads(results[-1].removeprefix("RESULT "))
-
-
-def revision(tree: Path) -> str:
-    done = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    return done.stdout.strip() or str(tree)
-
-
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=10, help="load + unload pairs per run")
@@ -78,7 +57,7 @@ def main(argv=None) -> dict:
     order = [t for p in range(args.pairs) for t in (trees if p % 2 == 0 else trees[::-1])]
     runs: dict[str, dict[str, list[float]]] = {revision(t): {"load": [], "unload": []} for t in trees}
     for tree in order:
-        got = run_tree(tree, args.samples)
+        got = run_child(tree, CHILD, str(args.samples))
         for kind, seconds in got.items():
             runs[revision(tree)][kind] += seconds
         print(f"{revision(tree)}: load p50 {1e3 * median(got['load']):.0f} ms, "

@@ -17,15 +17,29 @@ import torch.nn.functional as F
 from torch import nn
 
 
+# gloo's all-reduce of a small tensor costs two message rounds (reduce-scatter, then all-gather: ~1.1 ms and
+# ~0.7 ms of CPU per rank at TP=2 on the 2-core machine, whatever the size up to ~0.5 MiB); one all-gather and
+# a local sum costs one round (~0.6 ms, 0.4 ms of CPU). Up to this size per rank, the gather wins at every
+# size measured (benchmarks/results/gloo_all_reduce.md); beyond it, moving world x the data loses.
+GATHER_MAX_BYTES = 64 * 1024
+
+
 @dataclass(frozen=True)
 class TPGroup:
     rank: int = 0
     size: int = 1
     group: object = None                      # torch.distributed process group when size > 1
+    gather_small: bool = False                # gloo (CPU ranks): small all-reduces as one all-gather + sum
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.size > 1:
-            dist.all_reduce(x, group=self.group)
+        if self.size == 1:
+            return x
+        if self.gather_small and x.numel() * x.element_size() <= GATHER_MAX_BYTES:
+            # every rank sums the same gathered rows in rank order: the ranks' results stay identical
+            parts = x.new_empty(self.size * x.numel())
+            dist.all_gather_into_tensor(parts, x.contiguous().view(-1), group=self.group)
+            return parts.view(self.size, *x.shape).sum(0)
+        dist.all_reduce(x, group=self.group)
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:

@@ -92,7 +92,7 @@ class RayWorker:
                 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
             dist.init_process_group(platform.dist_backend, store=self._store(port), rank=self.rank,
                                     world_size=self.world_size, timeout=timedelta(seconds=DIST_TIMEOUT_S))
-            tp = TPGroup(self.rank, self.world_size, dist.group.WORLD)
+            tp = TPGroup(self.rank, self.world_size, dist.group.WORLD, gather_small=platform.dist_backend == "gloo")
         self.worker = Worker(self.config, self.runtime, platform, self._shipped_adapter, tp, device_index)
 
     def _shipped_adapter(self, name: str, source: str, load_id: int):
