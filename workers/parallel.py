@@ -20,7 +20,7 @@ from torch import nn
 # gloo's all-reduce of a small tensor costs two message rounds (reduce-scatter, then all-gather: ~1.1 ms and
 # ~0.7 ms of CPU per rank at TP=2 on the 2-core machine, whatever the size up to ~0.5 MiB); one all-gather and
 # a local sum costs one round (~0.6 ms, 0.4 ms of CPU). Up to this size per rank, the gather wins at every
-# size measured (benchmarks/results/gloo_all_reduce.md); beyond it, moving world x the data loses.
+# size measured (benchmarks/results/tp_all_reduce.md); beyond it, moving world x the data loses.
 GATHER_MAX_BYTES = 64 * 1024
 
 
