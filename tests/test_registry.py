@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import sys
 import time
 
 import pytest
@@ -213,6 +214,33 @@ def test_a_registry_whose_app_is_gone_drops_itself(url):
 
     wait_until(dropped, 30, "the registry of an app Serve does not know to drop itself")
     assert internal_kv._internal_kv_get(key, namespace=NAMESPACE) is None
+
+
+def test_a_registry_asks_serve_about_its_app_only_once_no_replica_reports(url):
+    """A replica's heartbeat says its app exists: while one reports, the registry neither asks Serve nor imports
+    Serve's client; once they all went silent it asks, and drops itself (the app is unknown to Serve)."""
+    import ray
+
+    from deployments.adapter_registry import NAMESPACE, AdapterRegistry
+
+    key = "adapters:ghost2:tiny"
+    ghost = AdapterRegistry.options(name=key, namespace=NAMESPACE, lifetime="detached").remote(
+        "ghost2", key, 0.1, app_check_s=0.2)
+    deadline = time.monotonic() + 2.0   # ten app checks' time
+    while time.monotonic() < deadline:
+        ray.get(ghost.report.remote("replica-1", 0, {}), timeout=10)   # the first call starts the watch
+        time.sleep(0.1)
+    serve_imported = ray.get(ghost.__ray_call__.remote(lambda self: "ray.serve" in sys.modules), timeout=10)
+    assert not serve_imported, "the registry asked Serve although a replica reported"
+
+    def dropped() -> bool:
+        try:
+            ray.get_actor(key, namespace=NAMESPACE)
+            return False
+        except ValueError:
+            return True
+
+    wait_until(dropped, 30, "the registry to drop itself once no replica reports")
 
 
 def test_replicas_wait_on_a_long_poll_that_a_change_ends_at_once(shared_ray):
