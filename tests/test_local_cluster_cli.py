@@ -78,8 +78,10 @@ def test_readme_commands_deploy_serve_config_and_report_it_running(workspace):
 
     *exports, start, deploy, status, curl = (ours(c) for c in commands)
     export = "\n".join(exports)
-    # the demo model: generated once per test session (shared with other modules), never into the checkout
-    env = local_env(LORASERVE_CACHE=str(demo_cache))
+    # the demo model: generated once per test session (shared with other modules), never into the checkout.
+    # TMPDIR: Ray's dashboard starts a multiprocessing forkserver, whose socket dir (pymp-*) outlives the head's
+    # stop; in the private temp dir, the fixture removes it.
+    env = local_env(LORASERVE_CACHE=str(demo_cache), TMPDIR=temp_dir)
 
     def run(command: str, timeout: float = 120) -> str:
         done = subprocess.run(["bash", "-c", f"{export}\n{command}"], cwd=ROOT, env=env, capture_output=True,
