@@ -193,6 +193,19 @@ def test_deleting_the_app_deletes_its_registry_so_a_new_one_starts_with_its_conf
     assert complete(url, f"{BASE}:hot").status_code == 404
 
 
+def gone(registry_key: str) -> bool:
+    """No registry actor of this name lives (it dropped itself)."""
+    import ray
+
+    from deployments.adapter_registry import NAMESPACE
+
+    try:
+        ray.get_actor(registry_key, namespace=NAMESPACE)
+        return False
+    except ValueError:
+        return True
+
+
 def test_a_registry_whose_app_is_gone_drops_itself(url):
     import ray
     from ray.experimental import internal_kv
@@ -205,14 +218,7 @@ def test_a_registry_whose_app_is_gone_drops_itself(url):
     ray.get(ghost.seed.remote({"x": "/nowhere"}))   # its first call starts the watch
     assert internal_kv._internal_kv_get(key, namespace=NAMESPACE) is not None
 
-    def dropped() -> bool:
-        try:
-            ray.get_actor(key, namespace=NAMESPACE)
-            return False
-        except ValueError:
-            return True
-
-    wait_until(dropped, 30, "the registry of an app Serve does not know to drop itself")
+    wait_until(lambda: gone(key), 30, "the registry of an app Serve does not know to drop itself")
     assert internal_kv._internal_kv_get(key, namespace=NAMESPACE) is None
 
 
@@ -233,14 +239,7 @@ def test_a_registry_asks_serve_about_its_app_only_once_no_replica_reports(url):
     serve_imported = ray.get(ghost.__ray_call__.remote(lambda self: "ray.serve" in sys.modules), timeout=10)
     assert not serve_imported, "the registry asked Serve although a replica reported"
 
-    def dropped() -> bool:
-        try:
-            ray.get_actor(key, namespace=NAMESPACE)
-            return False
-        except ValueError:
-            return True
-
-    wait_until(dropped, 30, "the registry to drop itself once no replica reports")
+    wait_until(lambda: gone(key), 30, "the registry to drop itself once no replica reports")
 
 
 def test_replicas_wait_on_a_long_poll_that_a_change_ends_at_once(shared_ray):
