@@ -1,5 +1,6 @@
 """Acceptance (OpenAI API completeness, over HTTP): n and best_of, logprobs with real token names and
-top alternatives, echo with prompt logprobs, /tokenize, /detokenize, /v1/models/{id}, usage in streams.
+top alternatives, echo with prompt logprobs, /tokenize, /detokenize, /v1/models/{id}, usage in streams; and a
+stream rendered in the replica crosses Ray in fewer items than it has events (deployments/stream_batch.py).
 
 Logprobs are checked against plain torch on Hugging Face's fp32 logits (|dlogprob| < 1e-3); the
 official openai client parses every response and stream.
@@ -11,7 +12,9 @@ import pytest
 import requests
 import torch
 
+from deployments.render import RenderSpec
 from factories import PROMPTS, make_adapter
+from sse import events
 
 APP, BASE = "fields", "tiny"
 
@@ -28,8 +31,10 @@ def url(files, shared_serve):
 
     from deployments.app import build_app
 
+    # stream_batch_interval_ms: a 20 ms window (10 by default) for the stream that crosses Ray in batches, below
     serve.run(build_app(dict(model=str(files["model"]), served_model_name=BASE, adapters={"a": str(files["a"])},
-                             device="cpu", dtype="float32", max_model_len=256, max_lora_rank=8, num_replicas=1)),
+                             device="cpu", dtype="float32", max_model_len=256, max_lora_rank=8, num_replicas=1,
+                             stream_batch_interval_ms=20)),
               name=APP, route_prefix="/")
     return shared_serve
 
@@ -183,3 +188,26 @@ def test_penalties_and_min_tokens_reach_the_sampler_over_http(url):
     floor = client(url).completions.create(**{**base, "extra_body": {"ignore_eos": True, "min_tokens": at_least}},
                                            stop=[plain[:1]])
     assert floor.usage.completion_tokens >= at_least
+
+
+def test_end_to_end_stream_crosses_ray_in_fewer_items_than_events(url):
+    """Through Serve: 4 choices of one prompt, 6 tokens each, arrive as fewer items than events (the
+    choices' tokens of one step travel together), and the events are those of a full response: every
+    token of every choice once (an event carries one token, or several where the replica's loop read a
+    choice's deltas of several steps at once)."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle("LLMServer", app_name=APP).options(stream=True)
+    spec = RenderSpec(chat=False, model=BASE, include_usage=True, logprobs=True)   # an event per token
+    params = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+    items = list(handle.render_stream.remote([5, 6, 7, 8], params, spec, n=4))
+    replica_id, first = items[0]
+    text = first + "".join(items[1:])
+    got = events(text)
+    assert replica_id and got[-1] == "[DONE]" and got[-2]["usage"]["completion_tokens"] == 24
+    tokens = {i: [] for i in range(4)}
+    for event in got[:-2]:
+        [choice] = event["choices"]
+        tokens[choice["index"]] += choice["logprobs"]["tokens"]
+    assert all(len(t) == 6 for t in tokens.values()) and len({tuple(t) for t in tokens.values()}) == 1, tokens
+    assert len(items) < len(got) - 2, (len(items), len(got))

@@ -1,6 +1,6 @@
 """Responses rendered in the replica (deployments/render.py) and its stream batched per window
-(deployments/stream_batch.py): no-Ray unit tests, and one end-to-end check that a streamed answer
-crosses Ray in fewer items than it has events."""
+(deployments/stream_batch.py), without Ray (the end-to-end check that a streamed answer crosses Ray in
+fewer items than it has events runs on test_openai_fields' app)."""
 from __future__ import annotations
 
 import asyncio
@@ -13,6 +13,7 @@ from deployments import responses as rs
 from deployments.served_output import ServedOutput
 from deployments.render import DONE, RenderSpec, StreamRenderer, join_body, render_choices
 from deployments.stream_batch import batched
+from sse import events
 
 NAMES = {5: ("He", b"He"), 6: ("llo", b"llo"), 7: ("!", b"!"), 9: ("x", b"x")}
 
@@ -24,13 +25,6 @@ def item(token_ids, text, index=0, finish=None, logprobs=None, top=None, prompt_
                        num_cached_tokens=2, top_logprobs=top, prompt_logprobs=prompt_logprobs, num_prompt_tokens=4,
                        replica_id="rep", index=index, prompt_text=prompt_text, token_names=dict(NAMES))
     return out
-
-
-def events(text: str) -> list:
-    assert text.endswith("\n\n")
-    chunks = text.split("\n\n")[:-1]
-    assert all(c.startswith("data: ") for c in chunks)
-    return [c[6:] if c == "data: [DONE]" else json.loads(c[6:]) for c in chunks]
 
 
 def test_chat_stream_role_chunk_deltas_finish_usage_done():
@@ -152,31 +146,3 @@ def test_batched_error_after_what_came_before_and_early_close_closes_source():
     closed = []
     assert collect(batched(_source(["a", "b", "c"], [0, 0.05, 10], closed=closed), 0.0), limit=2) == ["a", "b"]
     assert closed == [True]   # the source (a request's stream) was closed, so its request is aborted
-
-
-def test_end_to_end_stream_crosses_ray_in_fewer_items_than_events(model_dir, shared_serve):
-    """Through Serve: 4 choices of one prompt, 6 tokens each, arrive as fewer items than events (the
-    choices' tokens of one step travel together), and the events are those of a full response: every
-    token of every choice once (an event carries one token, or several where the replica's loop read a
-    choice's deltas of several steps at once)."""
-    from ray import serve
-
-    from deployments.app import build_app
-
-    serve.run(build_app(dict(model=str(model_dir("qwen3")), served_model_name="t", device="cpu",
-                             max_model_len=128, num_replicas=1, stream_batch_interval_ms=20)),
-              name="render", route_prefix="/render")
-    handle = serve.get_deployment_handle("LLMServer", app_name="render").options(stream=True)
-    spec = RenderSpec(chat=False, model="t", include_usage=True, logprobs=True)   # an event per token
-    params = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
-    items = list(handle.render_stream.remote([5, 6, 7, 8], params, spec, n=4))
-    replica_id, first = items[0]
-    text = first + "".join(items[1:])
-    got = events(text)
-    assert replica_id and got[-1] == "[DONE]" and got[-2]["usage"]["completion_tokens"] == 24
-    tokens = {i: [] for i in range(4)}
-    for event in got[:-2]:
-        [choice] = event["choices"]
-        tokens[choice["index"]] += choice["logprobs"]["tokens"]
-    assert all(len(t) == 6 for t in tokens.values()) and len({tuple(t) for t in tokens.values()}) == 1, tokens
-    assert len(items) < len(got) - 2, (len(items), len(got))
