@@ -121,13 +121,15 @@ def listening_addresses(pids: list[int]) -> set[str]:
     return {line.split()[3] for line in out.splitlines() if any(w in line for w in wanted)}
 
 
-def head_command(temp_dir: str, port: int, num_cpus: int, autoscaling_config: str) -> list[str]:
+def head_command(temp_dir: str, port: int, num_cpus: int, autoscaling_config: str | None = None,
+                 resources: dict[str, float] | None = None) -> list[str]:
     """`ray start --head` on loopback, without a dashboard, every port that has a fixed default given a free one."""
     return [RAY, "start", "--head", f"--node-ip-address={LOOPBACK}", f"--port={port}", f"--temp-dir={temp_dir}",
             f"--num-cpus={num_cpus}", "--include-dashboard=false", f"--dashboard-port={free_port()}",
             f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
             f"--metrics-export-port={free_port()}", "--disable-usage-stats",
-            f"--autoscaling-config={autoscaling_config}"]
+            *([f"--autoscaling-config={autoscaling_config}"] if autoscaling_config else []),
+            *([f"--resources={json.dumps(resources)}"] if resources else [])]
 
 
 class LoopbackAutoscalingCluster(AutoscalingCluster):
@@ -169,10 +171,8 @@ class LoopbackAutoscalingCluster(AutoscalingCluster):
         config_path = os.path.join(self.temp_dir, "autoscaling.json")
         with open(config_path, "w") as f:
             json.dump(self._config, f)
-        cmd = head_command(self.temp_dir, self.port, int(self._head_resources.get("CPU", 0)), config_path)
-        extra = {k: v for k, v in self._head_resources.items() if k != "CPU"}
-        if extra:
-            cmd.append(f"--resources={json.dumps(extra)}")
+        cmd = head_command(self.temp_dir, self.port, int(self._head_resources.get("CPU", 0)), config_path,
+                           {k: v for k, v in self._head_resources.items() if k != "CPU"})
         # RAY_FAKE_CLUSTER selects the fake provider; the autoscaler looks every second instead of every 5 s.
         env = local_env(RAY_FAKE_CLUSTER="1", AUTOSCALER_UPDATE_INTERVAL_S="1", **(override_env or {}))
         subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=120)
