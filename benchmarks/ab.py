@@ -19,6 +19,7 @@ import json
 
 from benchmarks.common import machine_info, median, write_result
 from benchmarks.trees import checkout, run_child
+
 WORKLOADS = ("base", "one", "eight")
 CHILD = """
 import json, sys, time

@@ -14,7 +14,8 @@ import argparse
 from pathlib import Path
 
 from benchmarks.common import machine_info, median, write_result
-from benchmarks.trees import ROOT, revision, run_child
+from benchmarks.trees import ROOT, alternating, revision, run_child
+
 CHILD = """
 import json, shutil, sys, tempfile, time
 import ray, requests
@@ -54,7 +55,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--pairs", type=int, default=1, help="runs per tree, alternating a, b, b, a")
     args = parser.parse_args(argv)
     trees = [t.resolve() for t in args.tree or [ROOT]]
-    order = [t for p in range(args.pairs) for t in (trees if p % 2 == 0 else trees[::-1])]
+    order = alternating(trees, args.pairs)
     runs: dict[str, dict[str, list[float]]] = {revision(t): {"load": [], "unload": []} for t in trees}
     for tree in order:
         got = run_child(tree, CHILD, str(args.samples))

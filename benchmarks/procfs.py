@@ -1,5 +1,5 @@
-"""Processes read from /proc: a process's descendants, its command line, whether it runs and its CPU seconds (the serving benchmark's CPU per role,
-the tests' checks that a service leaves nothing behind)."""
+"""Processes read from /proc: a process's descendants, its command line, whether it runs and its CPU seconds
+(the serving benchmark's CPU per role, the tests' checks that a service leaves nothing behind)."""
 from __future__ import annotations
 
 import os

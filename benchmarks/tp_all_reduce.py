@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import machine_info, median, write_result
-from benchmarks.trees import ROOT, checkout, revision, run_child
+from benchmarks.trees import ROOT, alternating, checkout, revision, run_child
 
 SIZES_KIB = (4, 16, 64, 256, 1024)
 DTYPES = ("float32", "bfloat16")
@@ -112,15 +112,15 @@ def main(argv=None) -> dict:
               f"(cpu {row['gather_cpu_us']:5.0f})", flush=True)
     if args.rev:
         trees = [checkout(args.rev), ROOT]
-        order = [t for p in range(args.pairs) for t in (trees if p % 2 == 0 else trees[::-1])]
-        runs = {revision(t) if t != ROOT else "checkout": [] for t in trees}
+        label = {tree: revision(tree) if tree != ROOT else "checkout" for tree in trees}   # ROOT: the work tree
+        order = alternating(trees, args.pairs)
+        runs = {label[tree]: [] for tree in trees}
         for tree in order:
-            name = revision(tree) if tree != ROOT else "checkout"
             got = run_child(tree, ENGINE_CHILD, str(args.rounds))
-            runs[name] += got
-            print(f"{name}: {[round(r['wall_ms_per_step'], 1) for r in got]} ms/step wall, "
+            runs[label[tree]] += got
+            print(f"{label[tree]}: {[round(r['wall_ms_per_step'], 1) for r in got]} ms/step wall, "
                   f"{[round(r['cpu_ms_per_step'], 1) for r in got]} ms/step CPU", flush=True)
-        result["engine"] = {"rev": args.rev, "order": [revision(t) if t != ROOT else "checkout" for t in order],
+        result["engine"] = {"rev": args.rev, "order": [label[tree] for tree in order],
                             "runs": runs, "median": {name: {k: median([r[k] for r in rs]) for k in rs[0]}
                                                      for name, rs in runs.items()}}
     write_result("tp_all_reduce", result)

@@ -30,6 +30,11 @@ def revision(tree: Path) -> str:
     return done.stdout.strip() or str(tree)
 
 
+def alternating(trees: list[Path], pairs: int) -> list[Path]:
+    """The run order a, b, b, a, a, b, ... over `pairs` rounds: neither tree always runs first on a busy machine."""
+    return [tree for p in range(pairs) for tree in (trees if p % 2 == 0 else trees[::-1])]
+
+
 def run_child(tree: Path, code: str, *args: str, timeout: float = 900) -> dict:
     """Run `code` (python -c) in `tree` with `args`; its last `RESULT <json>` line, parsed."""
     env = dict(os.environ, PYTHONPATH=str(tree), LORASERVE_BENCH_CACHE=str(cache_root()))
