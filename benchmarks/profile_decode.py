@@ -25,10 +25,10 @@ PARTS = ("base_linear", "attention", "lora", "sampling")
 @contextmanager
 def timed_parts(totals: dict):
     """Patch the hot functions to add their wall time to totals[part]; restored on exit."""
-    import lora.ops as lora_ops
     import workers.models.llama as llama
     import workers.parallel as parallel
     import workers.runner as runner
+    from lora.backends.base import LayerLoRA
 
     def wrap(fn, part):
         def timed(*args, **kwargs):
@@ -39,9 +39,11 @@ def timed_parts(totals: dict):
                 totals[part] += time.perf_counter() - start
         return timed
 
+    # Every backend binds each wrapped layer's op once, at start, as a LayerLoRA (lora/backends/base.py): its
+    # call is where a step's LoRA maths runs, whatever backend and kernel (patching lora.ops' functions missed
+    # the ops already bound: they reported 0).
     patches = [(parallel, "linear", "base_linear"), (llama, "paged_attention", "attention"),
-               (lora_ops, "add_lora", "lora"), (lora_ops, "add_embedding_lora", "lora"),
-               (runner, "sample", "sampling")]
+               (LayerLoRA, "__call__", "lora"), (runner, "sample", "sampling")]
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     try:
         for owner, name, part in patches:

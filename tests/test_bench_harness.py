@@ -42,6 +42,11 @@ def test_run_all_writes_results_table_and_plots(bench_cache):
     hot = json.loads((results / "hotload_bfloat16.json").read_text())
     assert hot["latency"]["total"]["p99_ms"] >= hot["latency"]["total"]["p50_ms"] > 0
 
+    # the decode profile times the LoRA ops where adapters run, and only there
+    parts = {w: p["parts_ms"] for w, p in
+             json.loads((results / "profile_decode_bfloat16.json").read_text())["workloads"].items()}
+    assert parts["base"]["lora"] == 0 < parts["one"]["lora"] and parts["eight"]["lora"] > 0, parts
+
     sched = json.loads((results / "scheduling_bfloat16.json").read_text())
     assert sched["variants"]["cache_on"]["hit_rate"] > 0 == sched["variants"]["cache_off"]["hit_rate"]
     assert sched["max_gap_chunked_over_unchunked"] > 0 and sched["ttft_p50_off_over_on"] > 0
