@@ -130,11 +130,12 @@ def test_a_script_reaches_the_app_through_the_printed_address(service, tmp_path)
     # (and Python's fault handler, so that a crash shows every thread's stack)
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", PYTHONFAULTHANDLER="1")
-    # Ray's default temp dir in this test's: at the script's exit, after atexit's ray.shutdown, something still
-    # calls Ray (an actor's `.remote()`, e.g. from the handle's router thread, auto-inits it) and a local Ray of
-    # the script's own starts under $TMPDIR/ray (here its socket paths are too long: it fails instead). Seen in 2
-    # of 7 suite runs, under load (the GCS died with the script; its session dir stayed in /tmp/ray); not
-    # reproduced alone in 16. A driver that connects by address takes the cluster's temp dir, never TMPDIR.
+    # Ray's default temp dir in this test's: Serve's handle keeps a long poll to the controller on its router
+    # thread; an update that arrives as the script exits (the controller answers it with any change) makes
+    # it poll again after atexit's ray.shutdown, and that `.remote()` auto-inits a local Ray of the script's own
+    # (traced: long_poll.py `_poll_next`), under $TMPDIR/ray (here its socket paths are too long: it fails
+    # instead). Seen in 2 of 7 suite runs (its session dir stayed in /tmp/ray). A driver that connects by address
+    # takes the cluster's temp dir, never TMPDIR.
     env["TMPDIR"] = str(tmp_path)
 
     def run() -> subprocess.CompletedProcess:
