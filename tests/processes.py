@@ -16,6 +16,7 @@ from workers.ray_utils import LOCAL_RAY_ENV
 
 LISTEN = "0A"   # TCP_LISTEN in /proc/net/tcp{,6}
 REPO = Path(__file__).resolve().parents[1]
+STOP_GRACE_S = 15   # a CLI stops within 10 s of SIGTERM (tests/test_fail_fast.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +93,12 @@ def start_cli(*args: str, log: Path, **env: str) -> subprocess.Popen:
 
 
 def stop_tree(proc: subprocess.Popen, pids: list[int]) -> None:
-    """Clean-up after a test: whatever of the CLI and the processes it started still runs is killed, by pid."""
+    """Clean-up after a test: a CLI still running is asked to stop first (SIGTERM: it stops its Ray and removes
+    that Ray's temp dir, which a kill leaves in /tmp, e.g. after a `-k` run without the module's SIGTERM test);
+    then whatever of it and the processes it started still runs is killed, by pid."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        wait_exit(proc, STOP_GRACE_S)
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
