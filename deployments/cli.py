@@ -50,6 +50,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     run.add_argument("--cpu-reserved-cores", type=int, default=None,
                      help="device cpu: cores the default --cpu-threads leaves to Serve (default 1)")
     run.add_argument("--replicas", type=int, default=1, help="LLMServer replicas")
+    run.add_argument("--routing", default="adapter-affinity", choices=["adapter-affinity", "multiplex"],
+                     help="how requests pick a replica: adapter home sets with bounded load (default), or Serve's "
+                          "multiplexed routing (README: Routing)")
     run.add_argument("--max-lora-rank", type=int, default=64)
     run.add_argument("--max-loras-per-batch", type=int, default=4)
     run.add_argument("--max-loaded-loras", type=int, default=16)
@@ -106,7 +109,8 @@ def config_from_args(args: argparse.Namespace) -> LLMConfig:
         adapters[name] = source
     return LLMConfig(model=args.model or DEMO_MODEL, adapters=adapters, num_replicas=args.replicas,
                      api_key=args.api_key, enable_hotload=args.enable_hotload, engine_process=args.engine_process,
-                     placement_timeout_s=args.placement_timeout or None, engine_kwargs=_engine_kwargs(args))
+                     placement_timeout_s=args.placement_timeout or None, routing=args.routing,
+                     engine_kwargs=_engine_kwargs(args))
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:

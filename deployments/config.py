@@ -13,11 +13,13 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, TypeAdapter, field_validator, model_validator
+from ray.serve.config import RequestRouterConfig
 
 from lora.names import check_adapter_name
+from deployments.routing.policy import AffinityPolicy
 from lora.sources import CONFIG_NAME, SAFETENSORS_NAME, is_hub_id
 from workers.config import EngineConfig
 from workers.device import PLATFORMS, check_device_resource
@@ -49,6 +51,11 @@ class LLMConfig(BaseModel):
     autoscaling_config: dict[str, Any] | None = None
     max_ongoing_requests: int = Field(64, ge=1)
     max_num_models_per_replica: int | None = None  # adapters kept warm per replica; default max_loaded_loras
+    # How requests pick a replica (README "Routing"): "adapter-affinity" (deployments/routing/: home sets by
+    # rendezvous hashing, sized to demand, bounded load) or "multiplex" (Serve's default multiplexed routing)
+    routing: Literal["adapter-affinity", "multiplex"] = "adapter-affinity"
+    routing_options: dict[str, Any] = Field(default_factory=dict)   # AffinityPolicy's knobs, by name
+    routing_stats_period_s: float = Field(1.0, gt=0)   # how often replicas report residency and load
     replica_cpus: float = Field(1.0, gt=0)
     # each replica's heartbeat to the adapter registry (its stats; silent for 4 periods, 3 s at least: gone);
     # hot-load and unload reach every replica at once (a long poll: adapter_mirror.py)
@@ -90,6 +97,16 @@ class LLMConfig(BaseModel):
         if key is not None and not key.get_secret_value().strip():
             raise ValueError("api_key must not be empty (leave it unset for no authentication)")
         return key
+
+    @field_validator("routing_options")
+    @classmethod
+    def _routing_options_are_the_policys(cls, options: dict[str, Any]) -> dict[str, Any]:
+        try:
+            AffinityPolicy(**options)   # the router builds one from these in every caller's process
+        except TypeError as e:
+            raise ValueError(f"routing_options: {e} (the options are AffinityPolicy's keyword arguments: "
+                             "deployments/routing/policy.py)") from None
+        return options
 
     @field_validator("engine_kwargs")
     @classmethod
@@ -193,6 +210,12 @@ class LLMConfig(BaseModel):
             max_ongoing_requests=self.max_ongoing_requests, ray_actor_options=self.ray_actor_options(),
             placement_group_bundles=self.placement_group_bundles(), placement_group_strategy="STRICT_PACK",
             health_check_period_s=2, graceful_shutdown_timeout_s=5, graceful_shutdown_wait_loop_s=0.5)
+        if self.routing == "adapter-affinity":
+            options["request_router_config"] = RequestRouterConfig(
+                request_router_class="deployments.routing.router:AdapterAffinityRouter",
+                request_router_kwargs=dict(self.routing_options),
+                request_routing_stats_period_s=self.routing_stats_period_s,
+                request_routing_stats_timeout_s=max(1.0, 2 * self.routing_stats_period_s))
         if self.autoscaling_config is not None:
             options["autoscaling_config"] = self.autoscaling_config
         else:

@@ -80,12 +80,14 @@ class LLMServer(ReplicaAdapters):
                                sampling_params: SamplingParams | dict | None = None, *,
                                messages: list[dict] | None = None, request_id: str | None = None, n: int = 1,
                                best_of: int | None = None, echo: bool = False, names: bool = False,
-                               tools: list[dict] | None = None) -> list[ServedOutput]:
+                               tools: list[dict] | None = None,
+                               chat_template_kwargs: dict | None = None) -> list[ServedOutput]:
         """`n` finished choices (`index` 0..n-1); with best_of, that many are sampled and the n with the highest
         cumulative logprob returned. `echo`: each carries the prompt's text (`prompt_text`); `names`: the text
-        and bytes of every token it names (`token_names`, for logprobs); `tools`: rendered by the chat template."""
+        and bytes of every token it names (`token_names`, for logprobs); `tools`, `chat_template_kwargs`: rendered
+        by the chat template (workers/tokenizer.render_chat)."""
         check_choices(n, best_of)
-        adapter, prompt_ids, params = await self._start(prompt, sampling_params, messages, tools)
+        adapter, prompt_ids, params = await self._start(prompt, sampling_params, messages, tools, chat_template_kwargs)
         count = best_of or n
         try:
             async with asyncio.TaskGroup() as group:   # one failing cancels the others (their requests abort)
@@ -104,7 +106,8 @@ class LLMServer(ReplicaAdapters):
                               sampling_params: SamplingParams | dict | None = None, *,
                               messages: list[dict] | None = None, request_id: str | None = None, n: int = 1,
                               echo: bool = False, names: bool = False,
-                              tools: list[dict] | None = None) -> AsyncIterator[ServedOutput]:
+                              tools: list[dict] | None = None,
+                              chat_template_kwargs: dict | None = None) -> AsyncIterator[ServedOutput]:
         """Deltas of `n` choices, interleaved (each item's `index` says whose): new tokens, text and logprobs
         (prompt_token_ids, and with echo prompt_text, on a choice's first item only).
 
@@ -112,7 +115,7 @@ class LLMServer(ReplicaAdapters):
         character, or a possible start of a stop string.
         """
         check_choices(n, stream=True)
-        adapter, prompt_ids, params = await self._start(prompt, sampling_params, messages, tools)
+        adapter, prompt_ids, params = await self._start(prompt, sampling_params, messages, tools, chat_template_kwargs)
         streams = [self._deltas(adapter, prompt_ids, child_params(params, i), child_request_id(request_id, i, n),
                                 i, prompt if echo else None, names) for i in range(n)]
         # one choice needs no merging (a task and a queue hop per token)
@@ -123,15 +126,18 @@ class LLMServer(ReplicaAdapters):
     # ---- OpenAI responses, rendered here ------------------------------------------------------------
     async def render_choices(self, prompt: Prompt | None, sampling_params: dict, spec: RenderSpec, *,
                              messages: list[dict] | None = None, n: int = 1, best_of: int | None = None,
-                             tools: list[dict] | None = None) -> RenderedChoices:
+                             tools: list[dict] | None = None,
+                             chat_template_kwargs: dict | None = None) -> RenderedChoices:
         """A whole answer's choices for one prompt, as JSON (render.join_body makes the body)."""
         outs = await self.generate_choices(prompt, sampling_params, messages=messages, n=n, best_of=best_of,
-                                           echo=spec.echo, names=spec.logprobs, tools=tools)
+                                           echo=spec.echo, names=spec.logprobs, tools=tools,
+                                           chat_template_kwargs=chat_template_kwargs)
         return render_choices(outs, spec, self.replica_id)
 
     async def render_stream(self, prompt: Prompt | None, sampling_params: dict, spec: RenderSpec, *,
                             messages: list[dict] | None = None, n: int = 1,
-                            tools: list[dict] | None = None) -> AsyncIterator[str | tuple[str, str]]:
+                            tools: list[dict] | None = None,
+                            chat_template_kwargs: dict | None = None) -> AsyncIterator[str | tuple[str, str]]:
         """A streamed answer's SSE events (usage chunk and [DONE] included), joined per step window. The
         first item is (replica id, events): it comes once the request is accepted, so a refused one raises
         before it; an error after it is raised after the events before it (the ingress reports it in-band)."""
@@ -139,7 +145,8 @@ class LLMServer(ReplicaAdapters):
 
         async def events() -> AsyncIterator[str]:
             async with aclosing(self.generate_stream(prompt, sampling_params, messages=messages, n=n,
-                                                     echo=spec.echo, names=spec.logprobs, tools=tools)) as items:
+                                                     echo=spec.echo, names=spec.logprobs, tools=tools,
+                                                     chat_template_kwargs=chat_template_kwargs)) as items:
                 async for item in items:
                     yield renderer.feed(item)
             yield renderer.finish()
@@ -187,10 +194,10 @@ class LLMServer(ReplicaAdapters):
             out.token_names = {t: self._token_names(t) for t in ids}
         return out
 
-    async def _start(self, prompt, sampling_params, messages, tools=None) -> tuple[str | None, list[int],
-                                                                                   SamplingParams]:
+    async def _start(self, prompt, sampling_params, messages, tools=None,
+                     chat_template_kwargs=None) -> tuple[str | None, list[int], SamplingParams]:
         adapter = await self._adapter_for_request()   # an unknown adapter is a 404 before anything else
-        prompt, params = await self._prepare(prompt, sampling_params, messages, tools)
+        prompt, params = await self._prepare(prompt, sampling_params, messages, tools, chat_template_kwargs)
         if params.structured is not None:   # an invalid schema is a 400 here, before any choice is queued
             await self.engine.check_grammar(params.structured)
         return adapter, prompt, params
@@ -211,12 +218,13 @@ class LLMServer(ReplicaAdapters):
             self.metrics.record_request(kind, outcome, len(prompt), generated)
 
     async def _prepare(self, prompt: Prompt | None, sampling_params, messages,
-                       tools: list[dict] | None = None) -> tuple[list[int], SamplingParams]:
+                       tools: list[dict] | None = None,
+                       chat_template_kwargs: dict | None = None) -> tuple[list[int], SamplingParams]:
         """Token ids (tokenized here, in front of the engine) and the sampling parameters."""
         if messages is not None:
             if prompt is not None:
                 raise ValueError("give a prompt or chat messages, not both")
-            prompt = await self.engine.render_chat(messages, tools=tools)
+            prompt = await self.engine.render_chat(messages, tools=tools, chat_template_kwargs=chat_template_kwargs)
         check_prompt(prompt)
         if isinstance(prompt, str):
             prompt = await self.engine.encoder.encode(prompt)
@@ -259,6 +267,13 @@ class LLMServer(ReplicaAdapters):
         self.metrics.record_engine(engine)
         return {"replica_id": self.replica_id, "healthy": self.engine.is_healthy(), "engine": engine,
                 "adapters_loaded": sorted(self.adapters.loaded), "metrics": self.metrics.totals()}
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """What the request router reads (deployments/routing/router.py), every routing_stats_period_s."""
+        engine = await self.engine.stats()
+        lora = engine.get("lora", {})
+        return {"capacity": self.config.engine.max_num_seqs, "load": engine["running"] + engine["waiting"],
+                **lora.get("residency", {}), "requests": lora.get("requests", {})}
 
     async def is_healthy(self) -> bool:
         return await self.engine.check_health()

@@ -293,6 +293,15 @@ class HostAdapterCache:
                 recent_load_seconds=list(self._recent_load_seconds),
             )
 
+    def residency(self) -> dict:
+        """Names in memory (LRU first), being loaded, and what a load would evict now (None: room left)."""
+        with self._lock:
+            resident = list(self._resident)
+            victim = None
+            if len(resident) >= self.capacity:
+                victim = next((n for n in resident if n not in self._pinned and self._refs.get(n, 0) == 0), None)
+            return {"host": resident, "loading": list(self._loading), "evicts_next": victim}
+
     def close(self) -> None:
         """Shut down the executor this cache created (an injected one belongs to the caller)."""
         if self._owns_executor:

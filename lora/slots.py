@@ -73,6 +73,9 @@ class SlotTable:
             self._last_used[slot] = 0
         return slot
 
+    def names(self) -> list[str]:
+        return list(self._slots)
+
     def stats(self) -> dict:
         return dict(self._counts, num_slots=self.num_slots, used=len(self._slots))
 

@@ -208,5 +208,15 @@ class AdapterManager:
                 "expert_slots": self.expert_slots.stats(),
                 "versions": {name: self._versions[key] for name, key in self._current.items()}}
 
+    def residency(self) -> dict:
+        """Adapter names (not versions) in device slots, in host memory, being loaded, and the one a cold load
+        would evict now: what this replica reports to the request router."""
+        cache = self.cache.residency()
+        victim = cache["evicts_next"]
+        return {"device": sorted({display_name(k) for k in self.slots.names()}),
+                "host": sorted({display_name(k) for k in cache["host"]}),
+                "loading": sorted({display_name(k) for k in cache["loading"]}),
+                "evicts_next": display_name(victim) if victim else None}
+
     def close(self) -> None:
         self.cache.close()

@@ -7,6 +7,7 @@ apply stop strings (workers/output.py) for the requests added here.
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import random
 import time
@@ -271,6 +272,9 @@ class LLMEngine:
                "total_kv_blocks": c.blocks.num_usable, "prefix_cache": c.blocks.stats()}
         if self.adapters:
             out["lora"] = self.adapters.stats()
+            out["lora"]["residency"] = self.adapters.residency()
+            out["lora"]["requests"] = {"running": _count_by_adapter(c.running),
+                                       "waiting": _count_by_adapter(c.waiting)}
         return out
 
     def close(self) -> None:
@@ -278,6 +282,10 @@ class LLMEngine:
         if self.adapters:
             self.adapters.close()
         self.executor.close()
+
+
+def _count_by_adapter(seqs) -> dict[str, int]:
+    return dict(collections.Counter(s.adapter for s in seqs if s.adapter))
 
 
 def _eos_ids(hf_config, tokenizer) -> set[int]:

@@ -1,0 +1,244 @@
+"""Adapter-affinity placement: which replicas a request for an adapter should go to, best first.
+
+Pure Python (no Ray): the Serve request router (deployments/routing/router.py) and the fleet
+simulation (benchmarks/fleet_sim.py) drive this same class.
+
+- Every adapter has a home set: the first `k` replicas of its rendezvous (highest-random-weight)
+  order over the live replicas. Each replica's host cache then holds its share of the adapters
+  instead of every replica holding the same hot few, and a replica joining or leaving moves only
+  the adapters whose order it heads (hash order never depends on the other replicas).
+- `k` follows the adapter's demand (its peak in-flight requests, decayed): ceil(demand / (home_share *
+  replica capacity)), at least 1, at most max_home. It grows at once and shrinks one step per
+  cool-down, so a hot adapter spreads as it heats and its cold copies are not thrown away at once.
+- Inside the home set the replica of least cost wins: in-flight requests plus a residency penalty
+  (device slot < host memory < loading < cold). A replica at or over the bounded-load limit
+  (load_factor x the mean load with this request, as consistent hashing with bounded loads) is passed
+  over; the request spills to the next replica in hash order, before any replica rejects it.
+- Cold loads cost each replica a token of a bucket (cold_loads_per_s, burst cold_burst): a burst of
+  cold adapters goes to replicas with tokens left, so it cannot flush one replica's hot adapters. A
+  replica whose host cache would evict the last resident copy of an adapter that still has traffic
+  is passed over for a cold load (the last-copy rule).
+- Base-model requests (no adapter) go to the least-loaded replica.
+
+Nothing is refused here: the ranking always lists every live replica, so a request always has a
+replica to go to; the rules only order them.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+# What a replica's residency of an adapter costs a request, in queued requests: a host-memory copy
+# still needs a slot copy, a load in flight may finish before the request is admitted, a cold one
+# reads the adapter from disk first.
+RESIDENCY_COST = {"device": 0.0, "host": 0.25, "loading": 0.5, "cold": 1.0}
+ORDER_CACHE_SIZE = 1 << 16   # adapters whose hash order is kept (recomputed when the replicas change)
+
+
+@dataclass
+class ReplicaView:
+    """What a replica reported (record_routing_stats), plus what this router sent it since."""
+    capacity: int = 1                              # requests it runs at once (the engine's max_num_seqs)
+    load: float = 0.0                              # running + waiting requests, as it last reported
+    device: frozenset[str] = frozenset()           # adapters in device slots
+    host: frozenset[str] = frozenset()             # adapters in host memory
+    loading: frozenset[str] = frozenset()          # adapters being read from disk
+    evicts_next: str | None = None                 # what a cold load evicts now (its host cache is full)
+    sent_cold: dict[str, float] = field(default_factory=dict)   # adapter -> when sent cold, until reported
+    tokens: float = 0.0                            # cold-load budget left
+    refilled: float = 0.0                          # when tokens were last refilled
+
+    def residency(self, adapter: str) -> str:
+        if adapter in self.device:
+            return "device"
+        if adapter in self.host:
+            return "host"
+        if adapter in self.loading or adapter in self.sent_cold:
+            return "loading"
+        return "cold"
+
+
+@dataclass
+class Demand:
+    in_flight: int = 0        # requests routed and not completed
+    peak: float = 0.0         # in-flight peak, decayed with demand_half_life_s
+    seen: float = 0.0         # when `peak` was last updated
+    home: int = 1             # current home-set size
+    needed_since: float = 0.0  # when the home set last needed its current size
+
+
+def rendezvous_score(adapter: str, replica_id: str) -> int:
+    """Highest-random-weight hashing: the same in every process (Python's hash() is salted)."""
+    digest = hashlib.blake2b(f"{adapter}\0{replica_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+class AffinityPolicy:
+    def __init__(self, *, home_share: float = 0.5, load_factor: float = 1.25, min_spill_load: int = 2,
+                 max_home: int | None = None, cooldown_s: float = 30.0, demand_half_life_s: float = 10.0,
+                 cold_loads_per_s: float = 2.0, cold_burst: float = 4.0, sent_cold_ttl_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None):
+        if not 0 < home_share <= 1:
+            raise ValueError(f"home_share must be in (0, 1], got {home_share!r}")
+        if load_factor < 1:
+            raise ValueError(f"load_factor must be >= 1, got {load_factor!r}")
+        if max_home is not None and max_home < 1:
+            raise ValueError(f"max_home must be >= 1 or None, got {max_home!r}")
+        self.home_share, self.load_factor, self.min_spill_load = home_share, load_factor, min_spill_load
+        self.max_home, self.cooldown_s, self.half_life_s = max_home, cooldown_s, demand_half_life_s
+        self.cold_rate, self.cold_burst, self.sent_cold_ttl_s = cold_loads_per_s, cold_burst, sent_cold_ttl_s
+        self.clock, self.rng = clock, rng or random.Random()
+        self.replicas: dict[str, ReplicaView] = {}
+        self.in_flight: dict[str, int] = {}       # replica -> requests this router sent and not completed
+        self.demand: dict[str, Demand] = {}
+        self._orders: dict[str, list[str]] = {}
+
+    # ---- what the fleet looks like ---------------------------------------------------------------
+    def set_replicas(self, replica_ids: Iterable[str]) -> None:
+        ids = set(replica_ids)
+        if ids == set(self.replicas):
+            return
+        now = self.clock()
+        for gone in set(self.replicas) - ids:
+            del self.replicas[gone]
+            self.in_flight.pop(gone, None)
+        for new in ids - set(self.replicas):
+            self.replicas[new] = ReplicaView(tokens=self.cold_burst, refilled=now)
+            self.in_flight.setdefault(new, 0)
+        self._orders.clear()
+
+    def report(self, replica_id: str, *, capacity: int | None = None, load: float | None = None,
+               device: Iterable[str] = (), host: Iterable[str] = (), loading: Iterable[str] = (),
+               evicts_next: str | None = None) -> None:
+        """A replica's routing stats. Adapters it now reports resident are no longer 'sent cold'."""
+        view = self.replicas.get(replica_id)
+        if view is None:
+            return
+        view.capacity = max(1, int(capacity)) if capacity else view.capacity
+        view.load = float(load) if load is not None else view.load
+        view.device, view.host, view.loading = frozenset(device), frozenset(host), frozenset(loading)
+        view.evicts_next = evicts_next
+        now = self.clock()
+        view.sent_cold = {a: t for a, t in view.sent_cold.items()
+                          if a not in view.device and a not in view.host and a not in view.loading
+                          and now - t < self.sent_cold_ttl_s}
+
+    def load(self, replica_id: str) -> float:
+        """This router's own count is exact for what it sent; a replica's report also counts what other
+        routers (other proxies, handles) sent it, a second late."""
+        return max(float(self.in_flight.get(replica_id, 0)), self.replicas[replica_id].load)
+
+    # ---- ranking -------------------------------------------------------------------------------------
+    def rank(self, adapter: str | None) -> list[str]:
+        """Every live replica, best first, for one request of `adapter` (None: the base model)."""
+        if not self.replicas:
+            return []
+        loads = {r: self.load(r) for r in self.replicas}
+        if adapter is None:
+            return sorted(loads, key=lambda r: (loads[r], self.rng.random()))
+        now = self.clock()
+        order = self.order(adapter)
+        home = order[:self.home_size(adapter, now)]
+        bound = max(self.min_spill_load, math.ceil(self.load_factor * (sum(loads.values()) + 1) / len(loads)))
+        open_home = sorted((r for r in home if loads[r] < bound), key=lambda r: self._cost(adapter, r, loads))
+        spill = self._spill_order(adapter, [r for r in order[len(home):] if loads[r] < bound], now)
+        if open_home and not self._may_serve(adapter, open_home[0], now):   # out of cold budget: a copy first
+            copies = [r for r in spill if self.replicas[r].residency(adapter) != "cold"]
+            spill = [r for r in spill if r not in copies]
+            open_home = copies + open_home
+        ranked = open_home + spill
+        chosen = set(ranked)
+        rest = sorted((r for r in order if r not in chosen), key=lambda r: loads[r])
+        return ranked + rest
+
+    def _cost(self, adapter: str, replica_id: str, loads: dict[str, float]) -> float:
+        return loads[replica_id] + RESIDENCY_COST[self.replicas[replica_id].residency(adapter)]
+
+    def _spill_order(self, adapter: str, spill: list[str], now: float) -> list[str]:
+        """Spill candidates in hash order: those holding the adapter first, then those that may load it cold,
+        then those that may not (no cold-load token left, or the load would evict a last copy)."""
+        resident = [r for r in spill if self.replicas[r].residency(adapter) != "cold"]
+        cold = [r for r in spill if self.replicas[r].residency(adapter) == "cold"]
+        allowed = [r for r in cold if self._may_load_cold(r, now)]
+        return resident + allowed + [r for r in cold if r not in allowed]
+
+    def _may_serve(self, adapter: str, replica_id: str, now: float) -> bool:
+        return self.replicas[replica_id].residency(adapter) != "cold" or self._may_load_cold(replica_id, now)
+
+    def _may_load_cold(self, replica_id: str, now: float) -> bool:
+        view = self.replicas[replica_id]
+        self._refill(view, now)
+        return view.tokens >= 1 and not self._is_last_copy(view.evicts_next, replica_id)
+
+    def _is_last_copy(self, adapter: str | None, replica_id: str) -> bool:
+        """`adapter` has traffic and `replica_id` holds its only resident copy."""
+        if adapter is None or self._demand_now(adapter) <= 0:
+            return False
+        return not any(other != replica_id and v.residency(adapter) != "cold"
+                       for other, v in self.replicas.items())
+
+    def _refill(self, view: ReplicaView, now: float) -> None:
+        view.tokens = min(self.cold_burst, view.tokens + (now - view.refilled) * self.cold_rate)
+        view.refilled = now
+
+    def order(self, adapter: str) -> list[str]:
+        """The live replicas in the adapter's rendezvous order (highest score first)."""
+        order = self._orders.get(adapter)
+        if order is None:
+            if len(self._orders) >= ORDER_CACHE_SIZE:
+                self._orders.clear()
+            order = sorted(self.replicas, key=lambda r: rendezvous_score(adapter, r), reverse=True)
+            self._orders[adapter] = order
+        return order
+
+    def home_size(self, adapter: str, now: float | None = None) -> int:
+        now = self.clock() if now is None else now
+        d = self.demand.setdefault(adapter, Demand(seen=now, needed_since=now))
+        capacity = sum(v.capacity for v in self.replicas.values()) / len(self.replicas)
+        limit = min(self.max_home or len(self.replicas), len(self.replicas))
+        needed = min(limit, max(1, math.ceil(self._demand_now(adapter, now) / (self.home_share * capacity))))
+        if needed >= d.home:
+            d.home, d.needed_since = needed, now
+        elif now - d.needed_since >= self.cooldown_s:   # one step per cool-down: no flapping
+            d.home, d.needed_since = d.home - 1, now
+        d.home = min(d.home, limit)
+        return d.home
+
+    def _demand_now(self, adapter: str, now: float | None = None) -> float:
+        d = self.demand.get(adapter)
+        if d is None:
+            return 0.0
+        now = self.clock() if now is None else now
+        decayed = d.peak * 0.5 ** ((now - d.seen) / self.half_life_s) if self.half_life_s > 0 else 0.0
+        d.peak, d.seen = max(float(d.in_flight), decayed), now
+        return d.peak
+
+    # ---- what this router did ------------------------------------------------------------------------
+    def routed(self, adapter: str | None, replica_id: str) -> None:
+        """A request was accepted by `replica_id`: count it, and spend a cold-load token if it loads cold."""
+        if replica_id not in self.replicas:
+            return
+        self.in_flight[replica_id] = self.in_flight.get(replica_id, 0) + 1
+        if adapter is None:
+            return
+        now = self.clock()
+        d = self.demand.setdefault(adapter, Demand(seen=now, needed_since=now))
+        d.in_flight += 1
+        self._demand_now(adapter, now)
+        view = self.replicas[replica_id]
+        if view.residency(adapter) == "cold":
+            self._refill(view, now)
+            view.tokens -= 1          # may go negative: a request is never refused, the debt delays others
+            view.sent_cold[adapter] = now
+
+    def completed(self, adapter: str | None, replica_id: str) -> None:
+        if replica_id in self.in_flight:
+            self.in_flight[replica_id] = max(0, self.in_flight[replica_id] - 1)
+        d = self.demand.get(adapter) if adapter is not None else None
+        if d is not None:
+            self._demand_now(adapter)   # the peak keeps what it was before this request ended
+            d.in_flight = max(0, d.in_flight - 1)

@@ -1,0 +1,83 @@
+"""Adapter-affinity routing end to end (deployments/routing/): three LLMServer replicas behind Serve's HTTP proxy.
+
+An adapter's requests go to its home replica (the first of its rendezvous order over the live replicas, the
+same order every router computes), so the adapters partition over the replicas; a hot adapter's burst spreads
+over the replicas before any of them is full. Serve's default multiplexed routing would send the burst to the
+one replica holding the adapter until it rejects at max_ongoing_requests (16 here: it never would).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+
+import pytest
+import requests
+
+from deployments.routing.policy import rendezvous_score
+from factories import PROMPTS, make_adapter
+from serve_fixtures import wait_until
+
+APP, BASE = "routing", "tiny"
+ADAPTERS = [f"ad{i}" for i in range(6)]
+REPLICA = "x-loraserve-replica"
+
+
+@pytest.fixture(scope="module")
+def url(model_dir, tmp_path_factory, shared_serve):
+    from ray import serve
+
+    from deployments.app import build_app
+
+    model = model_dir("qwen3")
+    root = tmp_path_factory.mktemp("routing_adapters")
+    adapters = {name: str(make_adapter(model, root / name, r=4, seed=i)) for i, name in enumerate(ADAPTERS)}
+    # engines in the replicas' own processes (no engine process each: three replicas on two cores);
+    # max_num_seqs 4 is the capacity a replica reports: an adapter's home grows past 2 in flight (home_share 0.5)
+    serve.run(build_app(dict(model=str(model), served_model_name=BASE, adapters=adapters, device="cpu",
+                             max_model_len=256, max_lora_rank=4, max_num_seqs=4, num_replicas=3,
+                             max_ongoing_requests=16, engine_process=False, routing_stats_period_s=0.5)),
+              name=APP, route_prefix="/")
+    return shared_serve
+
+
+def complete(url: str, model: str, max_tokens: int = 4, prompt: str = "Hello") -> requests.Response:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+    response = requests.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response
+
+
+def replica_ids(url: str) -> list[str]:
+    """The three replicas' ids, as they name themselves in the response header: found by asking for the base
+    model, which goes to the least-loaded replica, until every replica answered (bounded)."""
+    seen: set[str] = set()
+
+    def probe():
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            seen.update(r.headers[REPLICA] for r in pool.map(lambda _: complete(url, BASE, max_tokens=8), range(6)))
+        return len(seen) == 3
+    wait_until(probe, 60, "every replica to answer a base-model request", interval=0)
+    return sorted(seen)
+
+
+def test_each_adapters_requests_go_to_its_home_replica(url):
+    replicas = replica_ids(url)
+    served: dict[str, set[str]] = {}
+    for _ in range(3):
+        for adapter in ADAPTERS:   # one at a time: no load, so nothing spills
+            served.setdefault(adapter, set()).add(complete(url, f"{BASE}:{adapter}").headers[REPLICA])
+    home = {a: max(replicas, key=lambda r: rendezvous_score(a, r)) for a in ADAPTERS}
+    assert served == {a: {home[a]} for a in ADAPTERS}
+    assert len(set(home.values())) >= 2      # the adapters partition over the replicas (6 over 3: never all one)
+
+
+def test_a_hot_adapters_burst_spreads_over_the_replicas(url):
+    replica_ids(url)
+    adapter = ADAPTERS[0]
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        responses = list(pool.map(lambda i: complete(url, f"{BASE}:{adapter}", max_tokens=24,
+                                                     prompt=PROMPTS[i % len(PROMPTS)]), range(24)))
+    by_replica: dict[str, int] = {}
+    for r in responses:
+        by_replica[r.headers[REPLICA]] = by_replica.get(r.headers[REPLICA], 0) + 1
+    assert len(by_replica) == 3, by_replica
+    assert max(by_replica.values()) <= 0.6 * len(responses), by_replica   # not pinned to the home replica
