@@ -67,7 +67,7 @@ def classify(exc: BaseException) -> tuple[int, str, str]:
         return 404, "NotFoundError", "model_not_found"
     if isinstance(exc, (RequestValidationError, ValidationError)):
         codes = [_VALIDATION_400[e["type"]] for e in exc.errors() if e.get("type") in _VALIDATION_400]
-        return (400, "BadRequestError", codes[0]) if codes else (422, "BadRequestError", "invalid_request")
+        return 400, "BadRequestError", codes[0] if codes else "invalid_request"   # OpenAI's status, not FastAPI's 422
     if isinstance(exc, ClientDisconnect):
         return 400, "BadRequestError", "client_disconnected"
     if isinstance(exc, (ValueError, TypeError)):   # bad parameters, AdapterError (rank, path, format)
@@ -128,7 +128,22 @@ def _error_text(error: dict) -> str:
 
 def error_body(exc: BaseException, request_id: str | None = None) -> tuple[int, dict]:
     status, kind, code = classify(exc)
-    return status, {"error": {"message": message_of(exc, request_id), "type": kind, "code": code, "param": None}}
+    return status, {"error": {"message": message_of(exc, request_id), "type": kind, "code": code,
+                              "param": param_of(exc)}}
+
+
+def param_of(exc: BaseException) -> str | None:
+    """OpenAI's `param`: the (first) request field a validation error is about."""
+    exc = _unwrap(exc)
+    if not isinstance(exc, (RequestValidationError, ValidationError)):
+        return None
+    for error in exc.errors():
+        loc = [p for p in error.get("loc", ()) if not (isinstance(p, str) and _UNION_TAG.fullmatch(p))]
+        loc = loc[1:] if loc[:1] == ["body"] else loc
+        field = ".".join(str(p) for p in loc) or (error.get("ctx") or {}).get("field")
+        if field:
+            return str(field)[:200]
+    return None
 
 
 def error_response(exc: BaseException, request_id: str | None = None, route: str = "",

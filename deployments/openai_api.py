@@ -16,6 +16,7 @@ read their body through http_edge (size, UTF-8, strict schema).
 # globals their code uses, so FastAPI could not resolve a string annotation such as "Request".
 import asyncio
 import dataclasses
+import importlib.metadata
 import logging
 from typing import Any, AsyncIterator
 
@@ -48,7 +49,7 @@ install_error_handlers(app)
 
 @serve.ingress(app)
 class OpenAIIngress:
-    def __init__(self, server: DeploymentHandle, config: LLMConfig):
+    async def __init__(self, server: DeploymentHandle, config: LLMConfig):
         bind_replica_grpc_to_node_ip()   # before Serve starts this replica's gRPC server (after __init__)
         quiet_caller_errors()
         self.server = server
@@ -61,6 +62,9 @@ class OpenAIIngress:
         app_name = serve.get_replica_context().app_name
         # /v1/models and /metrics answer from the registry, or from its last copy while it restarts
         self.registry = RegistryView(RegistryClient(app_name, self.base_model, config.registry_sync_interval_s))
+        # Ready (so Serve routes HTTP here) only once an LLMServer replica answers: it has put the configured
+        # adapters in the registry and can serve them, so /v1/models lists them from its first answer.
+        await self._handle(None).is_healthy.remote()
 
     def _adapter_of(self, model: str) -> str | None:
         """`<base>` -> None; `<base>:<adapter>` or `<adapter>` -> the adapter (the server checks it exists)."""
@@ -131,7 +135,8 @@ class OpenAIIngress:
             adapter = self._adapter_of(body.model)
             params = body.sampling_params(None)
             spec = RenderSpec.of(body, chat=True)
-            options = dict(messages=body.chat_messages(), n=body.n, tools=body.template_tools())
+            options = dict(messages=body.chat_messages(), n=body.n, tools=body.template_tools(),
+                           chat_template_kwargs=body.template_kwargs())
             if body.stream:
                 return await self._relay(self._handle(adapter, stream=True).render_stream.remote(
                     None, params, spec, **options), request)
@@ -242,6 +247,11 @@ class OpenAIIngress:
                 error.__cause__ = exc
             return self._error(error, request)
         return JSONResponse({"status": "ok"})
+
+    @app.get("/version")
+    async def version(self, request: Request) -> Response:
+        """vLLM's: the server's version (no key: it says nothing about the models or adapters)."""
+        return JSONResponse({"version": importlib.metadata.version("loraserve")})
 
     @app.get("/metrics")
     async def metrics(self, request: Request) -> Response:

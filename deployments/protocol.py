@@ -33,22 +33,26 @@ UNSUPPORTED_UNLESS = {
     "top_logprobs": (None, 0),           # completions: its logprobs=N says it (chat has the field itself)
     "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,), "reasoning_effort": (None,),
     "verbosity": (None,), "web_search_options": (None,),
-    # vLLM extensions
+    # vLLM extensions (vllm/entrypoints/openai/protocol.py's sampling and extra params), at their defaults
     "length_penalty": (None, 1),
     "use_beam_search": (None, False), "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,),
     "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
-    "include_stop_str_in_output": (None, False),
+    "include_stop_str_in_output": (None, False), "allowed_token_ids": (None,), "bad_words": (None, []),
     "add_generation_prompt": (None, True), "continue_final_message": (None, False), "chat_template": (None,),
     "chat_template_kwargs": (None, {}), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
-    "guided_grammar": (None,), "priority": (None, 0), "request_id": (None,),
+    "guided_grammar": (None,), "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,),
+    "structural_tag": (None,), "priority": (None, 0), "request_id": (None,), "documents": (None,),
+    "mm_processor_kwargs": (None,), "logits_processors": (None,), "cache_salt": (None,),
+    "kv_transfer_params": (None,), "vllm_xargs": (None,), "prompt_embeds": (None,), "return_token_ids": (None, False),
+    "include_reasoning": (None, True),   # without a reasoning parser there is no reasoning to leave out
 }
 MAX_PROMPTS = 256                          # prompts of one /v1/completions request (each is a handle call)
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)   # what torch.Generator.manual_seed takes
 
 
 class StreamOptions(StrictModel):
-    unsupported = {"continuous_usage_stats": (None, False)}   # vLLM extension
-    include_usage: bool = False
+    include_usage: bool | None = None       # a last chunk with the usage (OpenAI's; absent: none)
+    continuous_usage_stats: bool = False    # vLLM's: the usage so far on every chunk (unless include_usage: false)
 
 
 # SamplingParams fields the wire spells otherwise (or not at all); every other one is a request field of the same
@@ -105,17 +109,32 @@ class OpenAIRequest(SamplingFields):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's continuous_usage_stats, under its include_usage (whose default is true in vLLM)."""
+        options = self.stream_options
+        return bool(options and options.continuous_usage_stats and options.include_usage is not False)
+
 
 class CompletionRequest(OpenAIRequest):
+    unsupported = UNSUPPORTED_UNLESS | {"add_special_tokens": (None, True)}
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)   # 0 with echo: the prompt scored, nothing generated (vLLM's)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)   # the sampled token's, and this many alternatives
     echo: bool = False                   # the prompt before the completion (with its logprobs if asked)
     best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)     # sample this many, return the n likeliest
 
     @model_validator(mode="after")
     def _choices(self):
-        check_choices(self.n, self.best_of, self.stream)   # (the bounds are the fields' too: a 422 naming them)
+        check_choices(self.n, self.best_of, self.stream)   # (the bounds are the fields' too: a 400 naming them)
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: 0 generates nothing; it is only for scoring a prompt, with echo: true")
         return self
+
+    @property
+    def score_prompt(self) -> bool:
+        """max_tokens 0 with echo: the prompt (and its logprobs), no completion."""
+        return self.echo and self.max_tokens == 0
 
     @property
     def wants_logprobs(self) -> bool:
@@ -129,6 +148,8 @@ class CompletionRequest(OpenAIRequest):
         params = super().sampling_params(default_max_tokens)
         if self.echo and self.logprobs is not None:
             params["prompt_logprobs"] = self.logprobs
+        if self.score_prompt:   # the prompt's logprobs come with a step; its one token is not shown (as vLLM)
+            params["max_tokens"] = 1
         return params
 
     def prompts(self) -> list[str | list[int]]:
@@ -181,7 +202,13 @@ class ChatMessage(StrictModel):
 
 class ChatCompletionRequest(OpenAIRequest):
     harmless = HARMLESS - {"parallel_tool_calls"}
+    unsupported = UNSUPPORTED_UNLESS | {"add_special_tokens": (None, False), "echo": (None, False)}
     messages: list[ChatMessage] = Field(min_length=1)
+    # the chat template's (vLLM's semantics, workers/tokenizer.render_chat): values for its variables
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False     # the last (assistant) message is continued, not closed
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None  # a template's
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -221,6 +248,21 @@ class ChatCompletionRequest(OpenAIRequest):
     def chat_messages(self) -> list[dict[str, Any]]:
         return [m.template_dict() for m in self.messages]
 
+    @model_validator(mode="after")
+    def _one_way_to_end(self):
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError("continue_final_message: true needs add_generation_prompt: false")
+        return self
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """What the chat template is rendered with, as vLLM builds it: the caller's chat_template_kwargs, with
+        the request's own fields over them (reasoning_effort only when given: a template may read it)."""
+        fields = {"add_generation_prompt": self.add_generation_prompt,
+                  "continue_final_message": self.continue_final_message}
+        if self.reasoning_effort is not None:
+            fields["reasoning_effort"] = self.reasoning_effort
+        return {**(self.chat_template_kwargs or {}), **fields}
+
     def sampling_params(self, default_max_tokens: int | None) -> dict[str, Any]:
         params = super().sampling_params(default_max_tokens)
         if self.max_completion_tokens is not None:
@@ -237,7 +279,7 @@ MAX_LORA_PATH_CHARS = 4096   # PATH_MAX
 
 
 def _bounded_string(field: str, limit: int):
-    """An over-long value is a bad parameter (400 naming the field and the limit), not a schema mismatch (422)."""
+    """An over-long value: a 400 naming the field and the limit (its length, not only pydantic's "too long")."""
     def check(value: str) -> str:
         if len(value) > limit:
             raise PydanticCustomError("value_too_long", "{length} characters, over the limit of {limit}",

@@ -33,6 +33,8 @@ class RenderSpec:
     token_ids_as_names: bool = False     # vLLM's return_tokens_as_token_ids
     tool_calls: bool = False             # chat: the output's tool calls are parsed into tool_calls
     include_usage: bool = False          # stream: a last chunk with the usage
+    continuous_usage: bool = False       # stream: the usage so far on every chunk (vLLM's continuous_usage_stats)
+    score_prompt: bool = False           # completions' max_tokens 0 with echo: the prompt only, nothing generated
     first_index: int = 0                 # completions with several prompts: prompt p's choices start at p * n
 
     @classmethod
@@ -40,7 +42,8 @@ class RenderSpec:
         """From a validated protocol.CompletionRequest / ChatCompletionRequest."""
         return cls(chat=chat, model=body.model, logprobs=body.wants_logprobs, echo=getattr(body, "echo", False),
                    token_ids_as_names=body.return_tokens_as_token_ids,
-                   tool_calls=chat and body.parses_tool_calls, include_usage=body.include_usage)
+                   tool_calls=chat and body.parses_tool_calls, include_usage=body.include_usage,
+                   continuous_usage=body.continuous_usage, score_prompt=getattr(body, "score_prompt", False))
 
     def new_id(self) -> str:
         return rs.new_id("chatcmpl" if self.chat else "cmpl")   # not the request id: that names the helper
@@ -59,6 +62,7 @@ class RenderedChoices:
 def render_choices(outs: list, spec: RenderSpec, replica_id: str) -> RenderedChoices:
     """The finished choices of one prompt (ServedOutputs, `index` 0..n-1) as OpenAI choice objects."""
     choices = []
+    outs = [_prompt_only(out) for out in outs] if spec.score_prompt else outs
     for out in outs:
         if spec.token_ids_as_names:
             rs.name_tokens_by_id(out)
@@ -72,6 +76,12 @@ def render_choices(outs: list, spec: RenderSpec, replica_id: str) -> RenderedCho
                                                 rs.finish_reason(out), logprobs))
     return RenderedChoices(",".join(_body_json(c) for c in choices), outs[0].num_prompt_tokens,
                            sum(len(o.token_ids) for o in outs), outs[0].num_cached_tokens, replica_id)
+
+
+def _prompt_only(out):
+    """A scored prompt's choice: the one token generated with its logprobs is not part of the answer (vLLM's)."""
+    return dataclasses.replace(out, token_ids=[], text="", logprobs=[],
+                               top_logprobs=None if out.top_logprobs is None else [])
 
 
 def join_body(spec: RenderSpec, parts: list[RenderedChoices]) -> bytes:
@@ -104,12 +114,19 @@ class StreamRenderer:
         self._parsers: dict[int, ToolCallParser] = {}
 
     def _event(self, choices: list[dict], usage: dict | None = None) -> str:
+        if usage is None and self.spec.continuous_usage:
+            usage = self._usage()
         return f"data: {json.dumps(self._make_body(self.response_id, self.spec.model, choices, usage, chunk=True))}\n\n"
+
+    def _usage(self) -> dict:
+        return rs.usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
 
     def feed(self, item) -> str:
         spec, i, events = self.spec, item.index, []
         if not self._started:   # the request's first item: its prompt's counts
             self.prompt_tokens, self.cached_tokens = item.num_prompt_tokens, item.num_cached_tokens
+        if spec.score_prompt:
+            item = _prompt_only(item)
         if spec.token_ids_as_names:
             rs.name_tokens_by_id(item)
         if spec.chat and i not in self._started:
@@ -150,6 +167,5 @@ class StreamRenderer:
 
     def finish(self) -> str:
         """After the last item: the usage chunk (when asked) and [DONE]."""
-        usage = (self._event([], rs.usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens))
-                 if self.spec.include_usage else "")
+        usage = self._event([], self._usage()) if self.spec.include_usage else ""
         return usage + DONE

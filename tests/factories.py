@@ -7,6 +7,7 @@ PEFT adapters with random (non-zero) B so they change the output.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -27,6 +28,19 @@ def make_tokenizer(path: Path, vocab_size: int = 384):
     """The demo model's byte-level BPE (trained here, no download) with its chat template."""
     from deployments.demo_model import train_tokenizer
     return train_tokenizer(path, vocab_size)
+
+
+# Qwen3's thinking switch, as its chat template writes it after the generation prompt
+THINKING_SWITCH = ("{%- if enable_thinking is defined and enable_thinking is false %}"
+                   "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}")
+
+
+def with_thinking_switch(model_path: Path, out: Path) -> Path:
+    """A copy of the checkpoint whose chat template ends with Qwen3's enable_thinking switch."""
+    shutil.copytree(model_path, out)
+    template = Path(out) / "chat_template.jinja"
+    template.write_text(template.read_text() + THINKING_SWITCH)
+    return Path(out)
 
 
 def model_config(arch: str, vocab_size: int, **overrides):

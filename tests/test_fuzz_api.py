@@ -168,7 +168,7 @@ def test_fuzz_of_malformed_requests_over_every_route(url):
             assert response.headers["x-request-id"] == f"fuzz{index:04d}z"
             errors[index] = response.status_code
     assert len(errors) >= 200, f"only {len(errors)} of {len(cases)} cases were refused"
-    assert {400, 401, 404, 405, 413, 415, 422} <= set(errors.values())
+    assert {400, 401, 404, 405, 413, 415} <= set(errors.values()) and 422 not in errors.values()   # no 422s
 
     assert canary(url) == before
     wait_until(engines_idle, 30, "every engine to be idle with all KV blocks free")

@@ -1,11 +1,16 @@
 """Acceptance (OpenAI API completeness, over HTTP): n and best_of, logprobs with real token names and
 top alternatives, echo with prompt logprobs, /tokenize, /detokenize, /v1/models/{id}, usage in streams; and a
 stream rendered in the replica crosses Ray in fewer items than it has events (deployments/stream_batch.py).
+vLLM's fields the clients send: continuous_usage_stats, chat_template_kwargs (a template with Qwen3's thinking
+switch), reasoning_effort, max_tokens 0 scoring a prompt; every caller error a 400 body; readiness (the first
+answer of /v1/models lists the configured adapter) and /version.
 
 Logprobs are checked against plain torch on Hugging Face's fp32 logits (|dlogprob| < 1e-3); the
 official openai client parses every response and stream.
 """
 from __future__ import annotations
+
+import importlib.metadata
 
 import openai
 import pytest
@@ -13,7 +18,8 @@ import requests
 import torch
 
 from deployments.render import RenderSpec
-from factories import PROMPTS, make_adapter
+from factories import PROMPTS, make_adapter, with_thinking_switch
+from serve_fixtures import wait_until
 from sse import events
 
 APP, BASE = "fields", "tiny"
@@ -21,8 +27,11 @@ APP, BASE = "fields", "tiny"
 
 @pytest.fixture(scope="module")
 def files(model_dir, tmp_path_factory):
-    model = model_dir("qwen3")
+    model = with_thinking_switch(model_dir("qwen3"), tmp_path_factory.mktemp("fields") / "qwen3")
     return {"model": model, "a": make_adapter(model, tmp_path_factory.mktemp("fields") / "a", r=8, seed=4)}
+
+
+FIRST_MODELS: list[dict] = []   # the app's first answer to GET /v1/models
 
 
 @pytest.fixture(scope="module")
@@ -32,10 +41,17 @@ def url(files, shared_serve):
     from deployments.app import build_app
 
     # stream_batch_interval_ms: a 20 ms window (10 by default) for the stream that crosses Ray in batches, below
-    serve.run(build_app(dict(model=str(files["model"]), served_model_name=BASE, adapters={"a": str(files["a"])},
-                             device="cpu", dtype="float32", max_model_len=256, max_lora_rank=8, num_replicas=1,
-                             stream_batch_interval_ms=20)),
-              name=APP, route_prefix="/")
+    app = build_app(dict(model=str(files["model"]), served_model_name=BASE, adapters={"a": str(files["a"])},
+                         device="cpu", dtype="float32", max_model_len=256, max_lora_rank=8, num_replicas=1,
+                         stream_batch_interval_ms=20))
+    # not waiting for the app to be RUNNING, as `loraserve serve`'s port is open before: the first answer counts
+    serve.run_many([serve.RunTarget(app, name=APP, route_prefix="/")], wait_for_applications_running=False)
+
+    def models():
+        response = requests.get(f"{shared_serve}/v1/models", timeout=60)
+        return response.json() if response.status_code == 200 else None
+
+    FIRST_MODELS.append(wait_until(models, 180, "the app's first answer", interval=0.02))
     return shared_serve
 
 
@@ -211,3 +227,68 @@ def test_end_to_end_stream_crosses_ray_in_fewer_items_than_events(url):
         tokens[choice["index"]] += choice["logprobs"]["tokens"]
     assert all(len(t) == 6 for t in tokens.values()) and len({tuple(t) for t in tokens.values()}) == 1, tokens
     assert len(items) < len(got) - 2, (len(items), len(got))
+
+
+def test_ready_only_with_the_configured_adapters_listed_and_version(url):
+    assert [card["id"] for card in FIRST_MODELS[0]["data"]] == [BASE, "a"]
+    assert requests.get(f"{url}/version", timeout=60).json() == {"version": importlib.metadata.version("loraserve")}
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(url):
+    chunks = list(client(url).chat.completions.create(
+        model=f"{BASE}:a", messages=[{"role": "user", "content": "Hi"}], max_tokens=5, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True}))
+    counts = [chunk.usage.completion_tokens for chunk in chunks]
+    assert all(chunk.usage.prompt_tokens == chunks[0].usage.prompt_tokens > 0 for chunk in chunks)
+    assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == 5 and len(chunks) >= 4, counts
+    assert chunks[-1].choices == []   # include_usage's last chunk, as without continuous_usage_stats
+
+
+def test_chat_template_kwargs_render_qwen3s_thinking_switch(url, hf):
+    _, tokenizer = hf
+    messages = [{"role": "user", "content": "Hi"}]
+
+    def prompt_tokens(**extra) -> int:
+        out = client(url).chat.completions.create(model=BASE, messages=messages, max_tokens=1, temperature=0,
+                                                  extra_body=extra)
+        return out.usage.prompt_tokens
+
+    def rendered(**kwargs) -> int:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+        return len(tokenizer(text, add_special_tokens=False).input_ids)
+
+    off = prompt_tokens(chat_template_kwargs={"enable_thinking": False})
+    assert off == rendered(enable_thinking=False) > rendered() == prompt_tokens()
+    # what the template does not read changes nothing: reasoning_effort here, as in vLLM
+    assert prompt_tokens(reasoning_effort="low", chat_template_kwargs={"enable_thinking": True}) == rendered()
+    refused = requests.post(f"{url}/v1/chat/completions", json={
+        "model": BASE, "messages": messages, "chat_template_kwargs": {"chat_template": "{{ 1 }}"}}, timeout=60)
+    assert refused.status_code == 400 and "chat_template" in refused.json()["error"]["message"]
+
+
+def test_max_tokens_0_with_echo_scores_the_prompt(url, hf):
+    _, tokenizer = hf
+    prompt = PROMPTS[2]
+    args = dict(model=BASE, prompt=prompt, echo=True, logprobs=1, temperature=0)
+    scored = client(url).completions.create(**args, max_tokens=0)
+    [choice], n = scored.choices, len(tokenizer(prompt).input_ids)
+    assert choice.text == prompt and len(choice.logprobs.tokens) == n
+    assert scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == n
+    generated = client(url).completions.create(**args, max_tokens=1).choices[0].logprobs
+    assert choice.logprobs.token_logprobs == generated.token_logprobs[:n] and choice.logprobs.token_logprobs[1:]
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 0}, None),        # 0 only with echo
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": "4"}, "max_tokens"),
+    ("/v1/completions", {}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 0}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "n": 99}, "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "include_stop_str_in_output": True},
+     "include_stop_str_in_output"),
+])
+def test_every_caller_error_is_a_400_with_openais_body(url, path, body, param):
+    response = requests.post(f"{url}{path}", json={"model": BASE, **body}, timeout=60)
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["type"] == "BadRequestError" and error["message"], response.text
+    assert set(error) == {"message", "type", "code", "param"} and error["param"] == param

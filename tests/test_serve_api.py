@@ -192,7 +192,7 @@ BAD_REQUESTS = [  # (what, path, json body or raw text, status, a word of the me
     ("unknown model", "/v1/chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "Hi"}]},
      404, "gpt-4"),
     ("malformed JSON", "/v1/completions", '{"model": "tiny", "prompt": ', 400, "JSON"),
-    ("missing field", "/v1/completions", {"model": BASE}, 422, "prompt"),
+    ("missing field", "/v1/completions", {"model": BASE}, 400, "prompt"),
     ("unsupported suffix", "/v1/completions", {"model": BASE, "prompt": "Hi", "suffix": "x"}, 400, "suffix"),
     ("max_tokens beyond context", "/v1/completions", {"model": BASE, "prompt": "Hi", "max_tokens": 4096}, 400,
      "max_model_len"),

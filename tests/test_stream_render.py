@@ -4,6 +4,7 @@ fewer items than it has events runs on test_openai_fields' app)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import pytest
@@ -56,6 +57,28 @@ def test_completion_stream_echo_logprobs_offsets_and_choice_numbering():
     spec = RenderSpec(chat=False, model="m", first_index=6, token_ids_as_names=True, logprobs=True)
     [event] = events(StreamRenderer(spec).feed(item([7], "!", index=1)))
     assert event["choices"][0]["index"] == 7 and event["choices"][0]["logprobs"]["tokens"] == ["token_id:7"]
+
+
+def test_continuous_usage_on_every_chunk_counts_the_tokens_so_far():
+    renderer = StreamRenderer(RenderSpec(chat=True, model="m", include_usage=True, continuous_usage=True))
+    out = "".join(renderer.feed(i) for i in (item([5], "He"), item([6, 7], "llo!", finish="stop")))
+    got = events(out + renderer.finish())
+    assert [e["usage"]["completion_tokens"] for e in got[:-1]] == [0, 1, 3, 3]   # role chunk, 2 deltas, usage
+    assert all(e["usage"]["prompt_tokens"] == 4 and e["usage"]["total_tokens"] == 4 + e["usage"]["completion_tokens"]
+               for e in got[:-1])
+
+
+def test_a_scored_prompt_shows_the_prompt_and_no_generated_token():
+    spec = RenderSpec(chat=False, model="m", logprobs=True, echo=True, score_prompt=True)
+    scored = item([5], "He", finish="length", prompt_text="ab", prompt_ids=[9, 9], prompt_logprobs=[None, (-1.0, [])])
+    [choice] = json.loads("[" + render_choices([scored], spec, "rep").choices_json + "]")
+    assert choice["text"] == "ab" and choice["logprobs"]["tokens"] == ["x", "x"]
+    assert choice["logprobs"]["token_logprobs"] == [None, -1.0]
+    assert render_choices([scored], spec, "rep").completion_tokens == 0
+    renderer = StreamRenderer(dataclasses.replace(spec, include_usage=True))
+    got = events(renderer.feed(scored) + renderer.finish())
+    assert got[0]["choices"][0]["text"] == "ab" and got[0]["choices"][0]["logprobs"]["tokens"] == ["x", "x"]
+    assert got[1]["usage"]["completion_tokens"] == 0
 
 
 def test_chat_stream_tool_call_held_until_complete():

@@ -77,10 +77,12 @@ class AsyncLLMEngine:
         return self.engine.runtime.hf_config.vocab_size
 
     async def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                          add_special_tokens: bool = False, tools: list[dict] | None = None) -> list[int]:
+                          add_special_tokens: bool = False, tools: list[dict] | None = None,
+                          chat_template_kwargs: dict | None = None) -> list[int]:
         """The chat template's prompt as token ids (tokenized on the tokenizer thread); `tools` as the
-        template's `tools` (OpenAI's function-tool dicts)."""
-        return await self.encoder.render_chat(messages, add_generation_prompt, add_special_tokens, tools)
+        template's `tools` (OpenAI's function-tool dicts), `chat_template_kwargs` as vLLM's (workers/tokenizer.py)."""
+        return await self.encoder.render_chat(messages, add_generation_prompt, add_special_tokens, tools,
+                                              chat_template_kwargs)
 
     # ---- caller side (any event loop) ---------------------------------------------------------------
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, adapter: str | None = None,
