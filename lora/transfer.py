@@ -18,10 +18,6 @@ def allow_pinning(allowed: bool) -> None:
     _pinning = allowed
 
 
-def pinning_allowed() -> bool:
-    return _pinning
-
-
 def to_device(data, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A host tensor (or Python data) on `device`; on the CPU the host tensor itself."""
     device = torch.device(device)

@@ -62,10 +62,6 @@ class BlockPool:
     def num_usable(self) -> int:
         return self.num_blocks - 1
 
-    @property
-    def num_cached(self) -> int:
-        return len(self.cached)
-
     # ---- prefix lookup -----------------------------------------------------------------------
     def match(self, hashes: Seq[bytes]) -> list[int]:
         """The blocks holding the longest cached prefix of `hashes` (not yet referenced: see `take`)."""
@@ -130,11 +126,6 @@ class BlockPool:
             if self.cached.get(h) == block:
                 del self.cached[h]
                 self.evicted_blocks += 1
-
-    def reset_cache(self) -> None:
-        """Forget every cached block that nobody references (e.g. after weights changed in place)."""
-        for block in list(self.free):
-            self._uncache(block)
 
     def stats(self) -> dict:
         return {"queried_tokens": self.queried_tokens, "hit_tokens": self.hit_tokens,

@@ -16,7 +16,6 @@ import torch
 
 from lora import ops
 from lora.batch import LoRABatchInfo, plan_rows, plan_step, segments
-from lora.transfer import to_device
 
 log = logging.getLogger(__name__)
 
@@ -77,13 +76,6 @@ class LoRABackend:
         """A captured decode: only the static slot-per-token buffer, read on the device; the graph holds
         the ops of `groups` only (None: every group)."""
         return LoRABatchInfo(token_slots=token_slots, max_rank=self.max_rank, use_graph=True, groups=groups)
-
-    def _segment_tensors(self, token_slots: list[int]) -> dict:
-        """token_slots, seg_lens, seg_slots on the device: three views of one transfer."""
-        lens, slots = segments(token_slots)
-        T, S = len(token_slots), len(lens)
-        packed = to_device([*token_slots, *lens, *slots], self.device, torch.int64)
-        return dict(token_slots=packed[:T], seg_lens=packed[T:T + S], seg_slots=packed[T + S:])
 
     # ---- per layer, at wrap time ------------------------------------------------------------
     def bind(self, layer: str, a: torch.Tensor, b: Sequence[torch.Tensor], offsets: Sequence[int],
