@@ -10,7 +10,7 @@ PINS := torch==2.13.0 ray[serve]==2.60.0 transformers==5.24.0 peft==0.21.2 \
 # Only `make bench` needs these (plots; numpy also comes with transformers).
 BENCH_PINS := matplotlib==3.11.2 numpy==2.4.6
 
-.PHONY: venv test test-fast serve bench clean
+.PHONY: venv test test-fast serve bench clients clean
 
 venv: $(VENV)/.installed
 
@@ -39,6 +39,11 @@ serve: venv
 bench: venv
 	$(PY) -m pip install --quiet $(BENCH_PINS)
 	$(PY) -m benchmarks.run_all $(BENCH_ARGS)
+
+# guidellm, lm-eval, LangChain and the Agents SDK against the demo server, from a venv of their own
+# (.cache/clients-venv); not part of `make test` (docs/clients.md).
+clients: venv
+	$(PY) -m benchmarks.clients.run $(CLIENTS_ARGS)
 
 clean:
 	rm -rf $(VENV) .cache

@@ -1,0 +1,1 @@
+"""`make clients`: guidellm, lm-eval, LangChain and the Agents SDK against the demo server (run.py)."""
