@@ -82,8 +82,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                           "for a cluster autoscaler); one that no node could ever hold fails at once")
     security = run.add_argument_group("security (README: Security)")
     security.add_argument("--api-key", default=None, metavar="KEY",
-                          help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (default: "
+                          help="require 'Authorization: Bearer KEY' on /v1/* (default: "
                                "$LORASERVE_API_KEY; unset = no authentication)")
+    security.add_argument("--metrics-require-api-key", action="store_true",
+                          help="/metrics needs the key too (default: open, as vLLM's, for Prometheus)")
     security.add_argument("--enable-hotload", action="store_true",
                           help="allow /v1/load_lora_adapter and /v1/unload_lora_adapter (off by default)")
     security.add_argument("--adapter-root", action="append", default=[], metavar="DIR",
@@ -108,7 +110,8 @@ def config_from_args(args: argparse.Namespace) -> LLMConfig:
             raise SystemExit(f"--lora expects NAME=SOURCE, got {item!r}")
         adapters[name] = source
     return LLMConfig(model=args.model or DEMO_MODEL, adapters=adapters, num_replicas=args.replicas,
-                     api_key=args.api_key, enable_hotload=args.enable_hotload, engine_process=args.engine_process,
+                     api_key=args.api_key, metrics_require_api_key=args.metrics_require_api_key,
+                     enable_hotload=args.enable_hotload, engine_process=args.engine_process,
                      placement_timeout_s=args.placement_timeout or None, routing=args.routing,
                      engine_kwargs=_engine_kwargs(args))
 

@@ -43,7 +43,9 @@ class LLMConfig(BaseModel):
     # adapter_roots: local adapter dirs hot-load may read, ...); their defaults are EngineConfig's
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
     # the HTTP edge (README "Security")
-    api_key: SecretStr | None = None               # Bearer key for /v1/* and /metrics; default $LORASERVE_API_KEY
+    api_key: SecretStr | None = None               # Bearer key for /v1/*; default $LORASERVE_API_KEY
+    # /metrics needs the key too (default: open, as vLLM's, for Prometheus; it shows counts and adapter names)
+    metrics_require_api_key: bool = False
     enable_hotload: bool = False                   # /v1/load_lora_adapter and /v1/unload_lora_adapter
     max_request_bytes: int = Field(4 << 20, ge=1024)   # larger request bodies get 413
     # Serve

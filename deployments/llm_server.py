@@ -29,6 +29,7 @@ from deployments.replica_adapters import ReplicaAdapters
 from deployments.render import RenderedChoices, RenderSpec, StreamRenderer, render_choices
 from deployments.served_output import ServedOutput
 from deployments.stream_batch import batched
+from deployments.vllm_metrics import RequestTimer
 from lora.errors import AdapterNotFoundError
 from lora.sources import is_hub_id
 from workers.async_engine import AsyncLLMEngine
@@ -53,7 +54,8 @@ class LLMServer(ReplicaAdapters):
         self.engine = await asyncio.to_thread(_start_engine, config)   # minutes for a big model
         self._token_names = TokenNames(self.engine.decode_tokenizer)
         self._batch_window_s = config.stream_batch_interval_ms / 1e3
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(config.base_model_name, self.engine.max_model_len,
+                                     config.engine.max_loras_per_batch)
         registry = RegistryClient(context.app_name, config.base_model_name, config.registry_sync_interval_s)
         await registry.call(lambda actor: actor.seed.remote(config.adapters), REGISTRY_START_TIMEOUT_S)
         self.adapters = AdapterMirror(registry, self.engine, self.replica_id, config.registry_sync_interval_s,
@@ -204,18 +206,18 @@ class LLMServer(ReplicaAdapters):
 
     async def _outputs(self, adapter: str | None, prompt: list[int], params: SamplingParams,
                        request_id: str | None) -> AsyncIterator[RequestOutput]:
-        kind, last, outcome, generated = ("lora" if adapter else "base"), None, "error", 0
+        request, last, outcome = RequestTimer(adapter, len(prompt)), None, "error"
         try:
             async with aclosing(self.engine.generate(prompt, params, adapter, request_id, delta=True)) as stream:
                 async for last in stream:
-                    generated += len(last.token_ids)
+                    self.metrics.record_output(request, last)   # TTFT / inter-token latency: as they arrive
                     yield last
             outcome = last.finish_reason
         except (asyncio.CancelledError, GeneratorExit):
             outcome = "abort"
             raise
         finally:
-            self.metrics.record_request(kind, outcome, len(prompt), generated)
+            self.metrics.record_request(request, outcome)
 
     async def _prepare(self, prompt: Prompt | None, sampling_params, messages,
                        tools: list[dict] | None = None,
@@ -266,7 +268,8 @@ class LLMServer(ReplicaAdapters):
         engine = await self.engine.stats()
         self.metrics.record_engine(engine)
         return {"replica_id": self.replica_id, "healthy": self.engine.is_healthy(), "engine": engine,
-                "adapters_loaded": sorted(self.adapters.loaded), "metrics": self.metrics.totals()}
+                "adapters_loaded": sorted(self.adapters.loaded), "metrics": self.metrics.totals(),
+                "vllm": self.metrics.vllm.snapshot()}
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """What the request router reads (deployments/routing/router.py), every routing_stats_period_s."""

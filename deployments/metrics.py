@@ -2,14 +2,19 @@
 
 Each LLMServer replica records into `ray.serve.metrics` instruments, which Ray's
 metrics agent exports to Prometheus (as `ray_loraserve_*`, with the Serve tags
-application / deployment / replica added). The same totals travel with the
-replica's registry heartbeat, so the ingress can answer `GET /metrics` for the
-whole application without a Prometheus server.
-Tags stay low-cardinality: `kind` is base or lora, never the adapter name.
+application / deployment / replica added), and into vLLM's metrics (vllm_metrics.py).
+The same totals travel with the replica's registry heartbeat, so the ingress can
+answer `GET /metrics` for the whole application without a Prometheus server.
+Ray tags stay low-cardinality: `kind` is base or lora, never the adapter name; the
+per-adapter gauges (requests running / waiting, residency on the device and in host
+memory) exist only in the ingress's text, one series per adapter a replica holds.
 """
 from __future__ import annotations
 
 from ray.serve.metrics import Counter, Gauge, Histogram
+
+from deployments.vllm_metrics import RequestTimer, VLLMMetrics, label_set
+from workers.sequence import RequestOutput
 
 LOAD_SECONDS_BUCKETS = [0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0]
 # engine stats() counters exported as Prometheus counters: (stats path, metric name)
@@ -45,7 +50,8 @@ def _get(stats: dict, path: tuple[str, ...]):
 class ServerMetrics:
     """One replica's instruments; `totals()` is the same data as a flat dict (name -> number)."""
 
-    def __init__(self):
+    def __init__(self, model_name: str, max_model_len: int, max_lora: int):
+        self.vllm = VLLMMetrics(model_name, max_model_len, max_lora)
         self._requests = Counter("loraserve_requests", "Requests ended, by kind (base|lora) and outcome.",
                                  tag_keys=("kind", "outcome"))
         self._prompt_tokens = Counter("loraserve_prompt_tokens", "Prompt tokens of admitted requests.",
@@ -60,13 +66,20 @@ class ServerMetrics:
         self._engine_gauges = {name: Gauge(f"loraserve_{name}", f"Engine state {'.'.join(path)}.")
                                for path, name in ENGINE_GAUGES}
         self._totals: dict[str, float] = {}
+        self._adapters: dict[str, float] = {}   # the engine's per-adapter state at the last heartbeat
 
     def _add(self, name: str, value: float, **labels: str) -> None:
         if labels:
-            name += "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
+            name += label_set(**dict(sorted(labels.items())))
         self._totals[name] = self._totals.get(name, 0) + value
 
-    def record_request(self, kind: str, outcome: str, prompt_tokens: int, generated_tokens: int) -> None:
+    def record_output(self, request: RequestTimer, out: RequestOutput) -> None:
+        if request.tokens(len(out.token_ids), out.queue_time):
+            self.vllm.first_token(request)
+
+    def record_request(self, request: RequestTimer, outcome: str) -> None:
+        kind = "lora" if request.adapter else "base"
+        prompt_tokens, generated_tokens = request.num_prompt_tokens, request.generated
         self._requests.inc(tags={"kind": kind, "outcome": outcome})
         self._add("requests_total", 1, kind=kind, outcome=outcome)
         if prompt_tokens:
@@ -75,6 +88,7 @@ class ServerMetrics:
         if generated_tokens:
             self._generated_tokens.inc(generated_tokens, tags={"kind": kind})
             self._add("generated_tokens_total", generated_tokens, kind=kind)
+        self.vllm.finished(request, outcome)
 
     def record_adapter_load(self, seconds: float | None, ok: bool) -> None:
         outcome = "ok" if ok else "error"
@@ -101,9 +115,18 @@ class ServerMetrics:
             if value is not None:
                 self._engine_gauges[name].set(value)
                 self._totals[name] = value
+        self.vllm.record_engine(stats)
+        self._adapters = {}
+        lora = stats.get("lora", {})
+        for state, counts in lora.get("requests", {}).items():
+            for adapter, count in counts.items():
+                self._adapters["adapter_requests" + label_set(adapter=adapter, state=state)] = count
+        for where in ("device", "host", "loading"):
+            for adapter in lora.get("residency", {}).get(where, []):
+                self._adapters["adapter_resident" + label_set(adapter=adapter, where=where)] = 1
 
     def totals(self) -> dict[str, float]:
-        return dict(self._totals)
+        return {**self._totals, **self._adapters}
 
 
 def render_prometheus(per_replica: dict[str, dict], model: str) -> str:
@@ -112,7 +135,7 @@ def render_prometheus(per_replica: dict[str, dict], model: str) -> str:
     for replica, stats in sorted(per_replica.items()):
         for key, value in sorted(stats.get("metrics", {}).items()):
             name, _, labels = key.partition("{")
-            labels = ",".join(filter(None, [f'model="{model}",replica="{replica}"', labels.rstrip("}")]))
+            labels = ",".join(filter(None, [label_set(model=model, replica=replica)[1:-1], labels.rstrip("}")]))
             samples.setdefault(name, []).append(f"loraserve_{name}{{{labels}}} {value}")
     lines = []
     for name, rows in sorted(samples.items()):

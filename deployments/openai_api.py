@@ -9,8 +9,8 @@ error body (errors.py). A stream's status is decided by its first item, so a
 bad request is a 4xx even with `stream: true`; an error after that arrives as
 an SSE error event. Response header `x-loraserve-replica` names the
 LLMServer replica that served the request; `x-request-id` (Serve's) names the
-request in the logs. Every /v1 route and /metrics check the API key first, then
-read their body through http_edge (size, UTF-8, strict schema).
+request in the logs. Every /v1 route checks the API key first (/metrics only with
+`metrics_require_api_key`), then reads its body through http_edge (size, UTF-8, strict schema).
 """
 # No `from __future__ import annotations`: Serve pickles these route functions by value with only the
 # globals their code uses, so FastAPI could not resolve a string annotation such as "Request".
@@ -34,6 +34,7 @@ from deployments.http_edge import Body, check_api_key, install_error_handlers, r
 from deployments.loopback import bind_replica_grpc_to_node_ip
 from deployments.metrics import render_prometheus
 from deployments.render import DONE, RenderSpec, join_body
+from deployments.vllm_metrics import render_vllm
 from lora.names import ADAPTER_NAME, check_adapter_name
 from workers.errors import EngineDeadError
 
@@ -56,6 +57,7 @@ class OpenAIIngress:
         self._handles: dict[tuple[str, bool], DeploymentHandle] = {}
         self.base_model = config.base_model_name
         self.api_key = config.api_key.get_secret_value().encode() if config.api_key else None
+        self.metrics_api_key = self.api_key if config.metrics_require_api_key else None
         self.enable_hotload, self.max_request_bytes = config.enable_hotload, config.max_request_bytes
         for warning in config.startup_warnings():
             logger.warning("loraserve: %s", warning)
@@ -255,10 +257,12 @@ class OpenAIIngress:
 
     @app.get("/metrics")
     async def metrics(self, request: Request) -> Response:
+        """vLLM's metrics for the whole application (deployments/vllm_metrics.py), then ours per replica. Open
+        unless `metrics_require_api_key`: Prometheus scrapes vLLM's /metrics without a key."""
         try:
-            check_api_key(request, self.api_key)
+            check_api_key(request, self.metrics_api_key)
         except APIError as exc:
             return self._error(exc, request)
         per_replica: dict[str, Any] = await self.registry.replica_stats()
-        return PlainTextResponse(render_prometheus(per_replica, self.base_model),
-                                 media_type="text/plain; version=0.0.4")
+        text = render_vllm(per_replica, self.base_model) + render_prometheus(per_replica, self.base_model)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")

@@ -116,8 +116,9 @@ def url(model_dir, tmp_path_factory, shared_serve):
     root = tmp_path_factory.mktemp("fuzz_adapters")
     fixed = make_adapter(model, root / "fixed", r=4, seed=21)
     serve.run(build_app(dict(model=str(model), served_model_name=BASE, adapters={"fixed": str(fixed)},
-                             device="cpu", max_model_len=128, api_key=KEY, enable_hotload=True,
-                             adapter_roots=[str(root)], max_request_bytes=MAX_BYTES)), name=APP, route_prefix="/")
+                             device="cpu", max_model_len=128, api_key=KEY, metrics_require_api_key=True,
+                             enable_hotload=True, adapter_roots=[str(root)], max_request_bytes=MAX_BYTES)),
+              name=APP, route_prefix="/")
     return shared_serve
 
 
@@ -146,6 +147,13 @@ def send(url: str, index: int, case) -> tuple[int, requests.Response]:
     method, path, headers, body = case
     headers = {**headers, "x-request-id": f"fuzz{index:04d}z"}
     return index, requests.request(method, f"{url}{path}", headers=headers, data=body, timeout=60)
+
+
+def test_metrics_need_the_key_when_the_app_requires_it(url):
+    """metrics_require_api_key: /metrics is a /v1 route for the key (open by default: test_security)."""
+    assert requests.get(f"{url}/metrics", timeout=30).status_code == 401
+    response = requests.get(f"{url}/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert response.status_code == 200 and "# TYPE vllm:request_success_total counter" in response.text
 
 
 def test_fuzz_of_malformed_requests_over_every_route(url):

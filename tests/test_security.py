@@ -22,7 +22,7 @@ MAX_BYTES = 64 * 1024
 AUTH = {"Authorization": f"Bearer {KEY}"}
 ROUTES = [("POST", "/v1/completions", {"model": BASE, "prompt": "Hi", "max_tokens": 2}),
           ("POST", "/v1/chat/completions", {"model": BASE, "messages": [{"role": "user", "content": "Hi"}]}),
-          ("GET", "/v1/models", None), ("GET", "/metrics", None),
+          ("GET", "/v1/models", None),
           ("POST", "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/x"}),
           ("POST", "/v1/unload_lora_adapter", {"lora_name": "x"})]
 INTERNALS = ("Traceback", "object at 0x", "<class ", "ActorID", "actor_id", "pid=", "namespace", "ray::")
@@ -102,7 +102,7 @@ def test_the_openai_client_api_key_just_works(url):
 
 
 @pytest.mark.parametrize("method, path, body", ROUTES, ids=[r[1] for r in ROUTES])
-def test_every_v1_route_and_metrics_need_the_key(url, method, path, body):
+def test_every_v1_route_needs_the_key(url, method, path, body):
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {KEY}"},
                     {"Authorization": KEY}, {"Authorization": f"Bearer {KEY}x"}):
         response = call(url, method, path, body, headers)
@@ -113,6 +113,12 @@ def test_every_v1_route_and_metrics_need_the_key(url, method, path, body):
     if method == "POST":
         openai_error(requests.post(f"{url}{path}", data=b"x" * (2 * MAX_BYTES), timeout=60,
                                    headers={"content-type": "application/json"}), 401)
+
+
+def test_metrics_are_scrapeable_without_the_key_by_default(url):
+    """As vLLM's /metrics, for Prometheus; metrics_require_api_key closes it (test_fuzz_api's app)."""
+    response = call(url, "GET", "/metrics")
+    assert response.status_code == 200 and '# TYPE vllm:num_requests_running gauge' in response.text
 
 
 def test_health_stays_open(url):

@@ -19,6 +19,7 @@ choice is a `Batch`; workers/plan.py turns it into the StepPlan.
 """
 from __future__ import annotations
 
+import time
 from collections import Counter, deque
 from typing import Iterator
 
@@ -167,6 +168,7 @@ class Controller:
         seq.num_registered_blocks = len(hit)
         if seq.num_preemptions == 0:
             seq.num_cached_tokens = cached
+            seq.queue_time = time.monotonic() - seq.arrival_time
             self.blocks.record_query(len(seq), cached)
         seq.status = Status.RUNNING
         seq.sampler_slot = self.free_sampler_slots.pop()

@@ -84,6 +84,7 @@ class RequestState:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.num_cached_tokens = 0
+        self.queue_time: float | None = None
         self._sent_tokens = self._sent_text = 0
         self._sent_prompt = False
 
@@ -97,6 +98,7 @@ class RequestState:
         if self.finished:
             return False
         self.num_cached_tokens = delta.num_cached_tokens
+        self.queue_time = delta.queue_time
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
         for i, token in enumerate(delta.new_token_ids):   # one at a time: a stop string ends at its token
@@ -132,13 +134,14 @@ class RequestState:
         if not delta:
             return RequestOutput(self.request_id, list(self.prompt_token_ids), list(self.token_ids), self.text,
                                  list(self.logprobs), self.finish_reason, self.adapter, self.error,
-                                 self.num_cached_tokens, None if top is None else list(top), self.prompt_logprobs)
+                                 self.num_cached_tokens, None if top is None else list(top), self.prompt_logprobs,
+                                 self.queue_time)
         end = len(self.text) if self.finished else max(self._sent_text, len(self.text) - max(self.max_stop - 1, 0))
         first, new = not self._sent_prompt, slice(self._sent_tokens, None)
         out = RequestOutput(self.request_id, self.prompt_token_ids if first else [], self.token_ids[new],
                             self.text[self._sent_text:end], self.logprobs[new], self.finish_reason, self.adapter,
                             self.error, self.num_cached_tokens, None if top is None else top[new],
-                            self.prompt_logprobs if first else None)
+                            self.prompt_logprobs if first else None, self.queue_time)
         self._sent_prompt, self._sent_tokens, self._sent_text = True, len(self.token_ids), end
         return out
 

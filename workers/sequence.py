@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 from workers.config import SamplingParams
@@ -23,6 +24,8 @@ class Sequence:
     # the adapter version it runs on (workers/adapters.py), held from admission to its end, preemption included
     adapter_key: str | None = field(default=None, init=False)
     arrival_step: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    queue_time: float | None = None       # seconds from arrival to its first admission (vLLM's queued time)
     status: Status = Status.WAITING
     token_ids: list[int] = field(init=False)   # prompt then outputs, appended in place (no copy per step)
     logprobs: list[float] = field(default_factory=list)
@@ -84,6 +87,7 @@ class TokenDelta:
     num_cached_tokens: int = 0
     new_top_logprobs: list[list[tuple[int, float]]] | None = None   # when the request asked for them
     prompt_logprobs: list | None = None                              # once, with the first token
+    queue_time: float | None = None                                  # once admitted (Sequence.queue_time)
 
     @property
     def finished(self) -> bool:
@@ -97,7 +101,7 @@ class TokenDelta:
         return cls(seq.request_id, seq.token_ids[seq.num_prompt_tokens + first:], seq.logprobs[first:],
                    seq.finish_reason, seq.error, seq.num_cached_tokens,
                    seq.top_logprobs[first:] if p.top_logprobs else None,
-                   seq.prompt_logprobs if first == 0 and p.prompt_logprobs is not None else None)
+                   seq.prompt_logprobs if first == 0 and p.prompt_logprobs is not None else None, seq.queue_time)
 
 
 @dataclass
@@ -117,6 +121,7 @@ class RequestOutput:
     num_cached_tokens: int = 0            # prompt tokens served from the prefix cache
     top_logprobs: list[list[tuple[int, float]]] | None = None   # per token: (id, logprob) of the likeliest
     prompt_logprobs: list | None = None   # per prompt token: (logprob, alternatives); the first is None
+    queue_time: float | None = None       # seconds it waited for its first admission in the engine
 
     @property
     def finished(self) -> bool:
