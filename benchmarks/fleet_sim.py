@@ -1,0 +1,304 @@
+"""A fleet simulation: 64 replicas x 10,000 adapters, our adapter-affinity routing against Serve's default.
+
+    .venv/bin/python -m benchmarks.fleet_sim [--only fleet|validate] [--phases steady-0.8,hotspot]
+
+A discrete-event simulation in pure Python. The routers are the real classes, driven as Serve drives them
+(benchmarks/fleet_routers.py): ours is deployments.routing.policy.AffinityPolicy, which our Serve
+RequestRouter (deployments/routing/router.py) is a thin shell around; Serve's default is Ray 2.60's own
+PowerOfTwoChoicesRequestRouter. Replicas (benchmarks/fleet_replica.py) are modelled by their adapter loads,
+admission rule and step costs:
+- `validate`: the real fleet benchmark's size (benchmarks/fleet_workload.py FLEET, benchmarks/fleet.py), step
+  costs measured on this engine (benchmarks/fleet_calibration.py -> results/fleet_calibration.json), the
+  replicas sharing this machine's cores; its predictions beside results/fleet.json where that exists.
+- `fleet`: 64 replicas of an accelerator-sized replica (NPU_COSTS: assumed, see there) x 10,000 adapters,
+  Zipf 0.8 / 1.0 / 1.2, drift and hot-spot phases, each also served as a single adapter (the TTFT p99 baseline).
+Arrivals and lengths: the Azure LLM inference trace 2023 (benchmarks/fleet_workload.py, TRACE_CITATION).
+Writes results/fleet_sim.json and results/fleet_sim.md.
+"""
+from __future__ import annotations
+
+import argparse
+import heapq
+import itertools
+import json
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass, replace
+
+from benchmarks.common import RESULTS, machine_info, write_result
+from benchmarks.fleet_replica import Replica, ReplicaSpec, SimRequest, StepCosts
+from benchmarks.fleet_routers import AffinityRouting, ServeDefaultRouting
+from benchmarks.fleet_workload import FLEET, TRACE_CITATION, Phase, make_workload
+
+TICK_S = 0.1           # load samples and Serve's replica-set broadcasts
+WINDOW_S = 10.0        # imbalance: max / mean of the replicas' mean in-flight over 10 s windows (1 s apart)
+ROUTERS = {"adapter-affinity": AffinityRouting, "serve-default": ServeDefaultRouting}
+# An accelerator-sized replica (one NPU, an 8B model in bf16, rank-16 adapters on all seven projections, ~87 MB
+# each). Assumed, not measured here: a decode step of 20 ms + 0.25 ms per sequence + 0.5 ms per distinct adapter
+# (one more LoRA segment), prefill at 10k tokens/s, a slot copy of 87 MB at ~20 GB/s, a read of 87 MB from local
+# NVMe plus validation in 0.1 s. The same linear form as the calibration measured on the demo model. 32 slots
+# (2.8 GB of device memory): with 8, a replica's ~25 requests in flight over as many adapters starve on the
+# LoRA budget under either router (TTFT p99 > 40 s in a first run).
+NPU_COSTS = StepCosts(base_s=0.020, per_seq_s=0.00025, per_adapter_s=0.0005, per_prefill_token_s=0.0001,
+                      slot_load_s=0.005, disk_load_s=0.1)
+NPU_SPEC = ReplicaSpec(max_num_seqs=64, max_loras_per_batch=32, max_loaded_loras=256, max_num_batched_tokens=2048,
+                       max_ongoing_requests=128)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    replicas: int
+    num_adapters: int
+    rate: float
+    duration_s: float
+    warmup_s: float
+    spec: ReplicaSpec
+    cores: float | None = None      # replicas share this many cores (None: one device each)
+    path_s: float = 0.0             # the serving path before a request reaches its replica's engine
+    lengths: tuple = ()             # make_workload's length arguments, as (name, value) pairs
+
+
+FLEET_SCENARIO = Scenario(replicas=64, num_adapters=10_000, rate=192.0, duration_s=60.0, warmup_s=120.0,
+                          spec=NPU_SPEC, lengths=(("prompt_scale", 1.0), ("output_scale", 1.0),
+                                                  ("max_prompt", 4096), ("max_output", 1024)))
+PHASES = {"steady-0.8": Phase("steady", 0.8), "steady-1.0": Phase("steady", 1.0), "steady-1.2": Phase("steady", 1.2),
+          "drift": Phase("drift", 1.0), "hotspot": Phase("hotspot", 1.0)}
+
+
+class Simulation:
+    def __init__(self, scenario: Scenario, costs: StepCosts, router: str, seed: int = 0):
+        self.scenario, self.now = scenario, 0.0
+        self.replicas = [Replica(i, scenario.spec, costs) for i in range(scenario.replicas)]
+        self.router = ROUTERS[router](self.replicas, lambda: self.now, seed=seed)
+        self.events: list = []
+        self._order = itertools.count()
+        self.samples: list[list[int]] = []     # in-flight per replica, every TICK_S
+        self.cold_loads: list[float] = []      # when each cold load started
+        self.busy = 0
+
+    def at(self, t: float, handler, *args) -> None:
+        heapq.heappush(self.events, (t, next(self._order), handler, args))
+
+    def run(self, requests: list[SimRequest]) -> list[SimRequest]:
+        for req in requests:
+            self.at(req.at, self.route, req)
+        end = requests[-1].at if requests else 0.0
+        self.at(0.0, self.tick, end)
+        while self.events:
+            self.now, _, handler, args = heapq.heappop(self.events)
+            handler(*args)
+        return requests
+
+    def tick(self, end: float) -> None:
+        self.samples.append([r.in_flight for r in self.replicas])
+        self.router.tick(self.now)
+        if self.now < end or any(r.in_flight for r in self.replicas):
+            self.at(self.now + TICK_S, self.tick, end)
+
+    def route(self, req: SimRequest) -> None:
+        req.attempts += 1
+        chosen = self.router.select(self.router.tiers(req))
+        if chosen is None:
+            self.at(self.now + self.router.retry_in(req.attempts), self.route, req)
+            return
+        replica = self.replicas[chosen]
+        replica.in_flight += 1            # what Serve counts from the send on (the path included)
+        req.replica, req.routed_at = chosen, self.now
+        self.router.routed(req)
+        self.at(self.now + self.scenario.path_s, self.reach, replica, req)
+
+    def reach(self, replica: Replica, req: SimRequest) -> None:
+        replica.in_flight -= 1
+        load = replica.arrive(req)
+        if load is not None:
+            self.start_load(replica, load)
+        self.maybe_step(replica)
+
+    def start_load(self, replica: Replica, adapter: str) -> None:
+        self.cold_loads.append(self.now)
+        self.at(self.now + replica.costs.disk_load_s, self.loaded, replica, adapter)
+
+    def loaded(self, replica: Replica, adapter: str) -> None:
+        following = replica.loaded(adapter)
+        if following is not None:
+            self.start_load(replica, following)
+        self.maybe_step(replica)
+
+    def maybe_step(self, replica: Replica) -> None:
+        if replica.busy or not replica.has_work():
+            return
+        step_s = replica.start_step()
+        self.busy += 1
+        if self.scenario.cores:   # processor sharing: busy replicas split the cores
+            step_s *= max(1.0, self.busy / self.scenario.cores)
+        self.at(self.now + step_s, self.step_done, replica)
+
+    def step_done(self, replica: Replica) -> None:
+        self.busy -= 1
+        for req in replica.end_step(self.now):
+            self.router.completed(req)
+        self.maybe_step(replica)
+
+
+def requests_for(scenario: Scenario, phase: Phase, seed: int, single_adapter: bool = False) -> list[SimRequest]:
+    duration = scenario.warmup_s + scenario.duration_s
+    if phase.name == "hotspot":
+        phase = replace(phase, hotspot_at_s=scenario.warmup_s + phase.hotspot_at_s)
+    out = [SimRequest(r.at, "single" if single_adapter else r.adapter, r.prompt_tokens, r.output_tokens)
+           for r in make_workload(num_adapters=scenario.num_adapters, rate=scenario.rate, duration_s=duration,
+                                  phase=phase, seed=seed, **dict(scenario.lengths))]
+    return out
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, max(0, math.ceil(q / 100 * len(values)) - 1))]
+
+
+def window_ratios(samples: list[list[int]], start: float, end: float) -> list[float]:
+    """max / mean of the replicas' mean in-flight, per WINDOW_S window starting every second in [start, end)."""
+    per_window = round(WINDOW_S / TICK_S)
+    out = []
+    first, last = round(start / TICK_S), min(len(samples), round(end / TICK_S))
+    for begin in range(first, last - per_window + 1, round(1 / TICK_S)):
+        window = samples[begin:begin + per_window]
+        means = [sum(col) / len(window) for col in zip(*window)]
+        mean = sum(means) / len(means)
+        if mean > 0:
+            out.append(max(means) / mean)
+    return out
+
+
+def metrics(sim: Simulation, requests: list[SimRequest], phase: Phase) -> dict:
+    sc = sim.scenario
+    start, end = sc.warmup_s, sc.warmup_s + sc.duration_s
+    measured = [r for r in requests if start <= r.at < end]
+    done = [r for r in measured if r.finished_at >= 0]
+    ttft = [r.first_token_at - r.at for r in done]
+    tpot = [(r.finished_at - r.first_token_at) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
+    tokens = sum(r.output_tokens for r in requests if start <= r.finished_at < end)
+    steps = sum(r.steps for r in sim.replicas)
+    out = {"requests": len(measured), "lost": len(measured) - len(done),
+           "hit_rate": sum(r.hit for r in measured) / max(1, len(measured)),
+           "cold_loads_per_replica_s": sum(start <= t < end for t in sim.cold_loads) / sc.replicas / sc.duration_s,
+           "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99), "tpot_p50_s": percentile(tpot, 50),
+           "output_tok_s": tokens / sc.duration_s, "imbalance_p99": percentile(window_ratios(sim.samples, start, end), 99),
+           "distinct_adapters_per_step": sum(r.adapters_per_step for r in sim.replicas) / max(1, steps)}
+    if phase.name == "hotspot":
+        at = start + phase.hotspot_at_s
+        ramp = window_ratios(sim.samples, at - WINDOW_S / 2, at + phase.hotspot_ramp_s + WINDOW_S)
+        out["hotspot_max_over_mean"] = max(ramp) if ramp else float("nan")
+    return out
+
+
+def simulate(scenario: Scenario, costs: StepCosts, router: str, phase: Phase, seed: int = 0,
+             single_adapter: bool = False) -> dict:
+    requests = requests_for(scenario, phase, seed, single_adapter)
+    started = time.process_time()
+    sim = Simulation(scenario, costs, router, seed)
+    sim.run(requests)
+    result = metrics(sim, requests, phase)
+    result["cpu_s"] = time.process_time() - started
+    return result
+
+
+def calibrated_costs(path=RESULTS / "fleet_calibration.json") -> StepCosts:
+    data = json.loads(path.read_text())
+    fit = data["fit"]
+    return StepCosts(base_s=fit["base_s"], per_seq_s=max(0.0, fit["per_seq_s"]),
+                     per_adapter_s=max(0.0, fit["per_adapter_s"]), per_prefill_token_s=fit["per_prefill_token_s"],
+                     slot_load_s=data["slot_load_s"], disk_load_s=data["disk_load_s"])
+
+
+def run_fleet(costs: StepCosts, phases: list[str], seed: int) -> dict:
+    rows = {}
+    for name in phases:
+        phase = PHASES[name]
+        for router in ROUTERS:
+            result = simulate(FLEET_SCENARIO, costs, router, phase, seed)
+            single = simulate(FLEET_SCENARIO, costs, router, phase, seed, single_adapter=True)
+            result["single_adapter_ttft_p99_s"] = single["ttft_p99_s"]
+            result["ttft_p99_over_single"] = result["ttft_p99_s"] / single["ttft_p99_s"]
+            result["cpu_s"] += single["cpu_s"]
+            rows[f"{name} {router}"] = result
+            print(name, router, json.dumps({k: round(v, 3) for k, v in result.items()}), flush=True)
+    return rows
+
+
+def validation_scenario(path_s: float) -> Scenario:
+    return Scenario(replicas=FLEET.replicas, num_adapters=FLEET.num_adapters, rate=FLEET.rate,
+                    duration_s=FLEET.duration_s, warmup_s=0.0, cores=2.0, path_s=path_s,
+                    spec=ReplicaSpec(max_num_seqs=FLEET.max_num_seqs, max_loras_per_batch=4,
+                                     max_loaded_loras=FLEET.max_loaded_loras, max_num_batched_tokens=128,
+                                     max_ongoing_requests=FLEET.max_ongoing_requests))
+
+
+def run_validation(path_s: float, seed: int) -> dict:
+    """The real benchmark's size, phase by phase, both routers; beside results/fleet.json where it exists."""
+    costs = calibrated_costs()
+    rows = {}
+    for name in ("steady-1.0",):
+        for router in ROUTERS:
+            rows[f"{name} {router}"] = simulate(validation_scenario(path_s), costs, router, PHASES[name], seed)
+            print("validate", name, router, json.dumps({k: round(v, 3) for k, v in rows[f"{name} {router}"].items()}))
+    real = RESULTS / "fleet.json"
+    return {"costs": asdict(costs), "path_s": path_s, "predicted": rows,
+            "real": json.loads(real.read_text()) if real.exists() else None}
+
+
+ACCEPT = (("hit_rate", ">=", 0.95), ("imbalance_p99", "<=", 1.2), ("cold_loads_per_replica_s", "<=", 0.5),
+          ("hotspot_max_over_mean", "<=", 1.5), ("ttft_p99_over_single", "<=", 1.25))
+
+
+def markdown(result: dict) -> str:
+    cols = ("hit_rate", "cold_loads_per_replica_s", "ttft_p50_s", "ttft_p99_s", "single_adapter_ttft_p99_s",
+            "ttft_p99_over_single", "tpot_p50_s", "output_tok_s", "imbalance_p99", "hotspot_max_over_mean",
+            "distinct_adapters_per_step", "lost")
+    lines = [f"### Fleet simulation: {FLEET_SCENARIO.replicas} replicas x {FLEET_SCENARIO.num_adapters:,} adapters",
+             "", "benchmarks/fleet_sim.py; arrivals and lengths: " + TRACE_CITATION + f", {FLEET_SCENARIO.rate:g} req/s, "
+             f"{FLEET_SCENARIO.warmup_s:g} s warm-up then {FLEET_SCENARIO.duration_s:g} s measured per phase; "
+             "replica costs NPU_COSTS (assumed, fleet_sim.py), spec " + json.dumps(asdict(NPU_SPEC)) + ".", "",
+             "| phase / router | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for key, row in result["fleet"].items():
+        cells = []
+        for col in cols:
+            value = row.get(col)
+            mark = ""
+            for metric, op, bound in ACCEPT:
+                if metric == col and value is not None:
+                    ok = value >= bound if op == ">=" else value <= bound
+                    mark = "" if ok else " ✗"
+            cells.append("" if value is None else f"{value:.3g}{mark}")
+        lines.append(f"| {key} | " + " | ".join(cells) + " |")
+    lines += ["", "✗: misses the acceptance bound (hit rate >= 0.95, imbalance <= 1.2, <= 0.5 cold loads per replica "
+              "per second, hot-spot max / mean <= 1.5, TTFT p99 <= 1.25x the same fleet serving one adapter)."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", choices=("fleet", "validate"))
+    parser.add_argument("--phases", default=",".join(PHASES))
+    parser.add_argument("--path-s", type=float, default=0.0, help="validation: serving-path latency per request")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    started = time.process_time()
+    result = {"what": __doc__.split("\n\n")[0], "trace": TRACE_CITATION, "scenario": asdict(FLEET_SCENARIO),
+              "npu_costs": asdict(NPU_COSTS)}
+    if args.only != "validate":
+        result["fleet"] = run_fleet(NPU_COSTS, args.phases.split(","), args.seed)
+    if args.only != "fleet":
+        result["validation"] = run_validation(args.path_s, args.seed)
+    result["cpu_s"] = time.process_time() - started
+    result["machine"] = machine_info()
+    print(write_result("fleet_sim", result))
+    if "fleet" in result:
+        (RESULTS / "fleet_sim.md").write_text(markdown(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
