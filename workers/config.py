@@ -47,7 +47,9 @@ class EngineConfig:
     expert_lora_memory_gb: float | None = None  # MoE: room for the expert LoRA slots; None = the device's free memory
     adapter_roots: tuple[str, ...] = ()         # allowed local adapter dirs; empty = any
     allow_hub_adapters: bool | None = None      # Hub ids as sources; default: only without adapter_roots
-    lora_max_wait_steps: int = 16               # fairness bound before strict FCFS on the LoRA budget
+    # steps a request waits on the LoRA budget before the adapter that entered it last is paused for it (that one
+    # too holds it at least this long: no slot thrash); workers/lora_budget.py
+    lora_max_wait_steps: int = 4
     adapter_load_timeout_s: float = 120.0       # a disk / Hub read of an adapter taking longer fails
     # CPU: linear weights reordered once for oneDNN at load (prepack_linears); None = on for the CPU
     prepack_weights: bool | None = None
@@ -106,6 +108,7 @@ class EngineConfig:
              f"max_loaded_loras ({self.max_loaded_loras}) must be >= max_loras_per_batch "
              f"({self.max_loras_per_batch})")
         need(self.max_lora_rank >= 1, "max_lora_rank must be >= 1")
+        need(self.lora_max_wait_steps >= 1, "lora_max_wait_steps must be >= 1")
         need(self.max_expert_loras is None or 1 <= self.max_expert_loras <= self.max_loras_per_batch,
              f"max_expert_loras must be in [1, max_loras_per_batch ({self.max_loras_per_batch})] or unset")
         need(self.expert_lora_memory_gb is None or self.expert_lora_memory_gb >= 0,

@@ -7,20 +7,20 @@ prompt is only admitted when it fits whole). Admission takes KV blocks for the
 whole prompt at once, after reusing the longest cached prefix (block_pool.py),
 so a prompt in progress never waits for blocks. The LoRA budget
 (max_loras_per_batch distinct adapters among running sequences; the base
-model needs none) fills like this: requests whose adapter is already running
-come first, then a free slot goes to the adapter with the most waiting
-requests, whose requests are admitted together. A request passed over for a
-LoRA slot more than `lora_max_wait_steps` times makes admission strictly
-first-come first-served and stops it at that request, so running adapters
-drain and it gets in (no starvation). When decode runs out of KV blocks the
-youngest sequence is preempted; it is recomputed later from its prompt and
+model needs none) rotates among adapters by age (workers/lora_budget.py):
+room goes to the adapter that has waited longest, and one that has waited
+`lora_max_wait_steps` steps takes the place of the adapter that entered it
+last, whose sequences pause (keeping their KV) until their turn; requests of
+the base model and of running adapters are admitted in arrival order, the
+others' after them, oldest adapter first. When decode runs out of KV blocks the youngest
+sequence is preempted; it is recomputed later from its prompt and
 the tokens it already has (its blocks stay cached, so mostly hits). A step's
 choice is a `Batch`; workers/plan.py turns it into the StepPlan.
 """
 from __future__ import annotations
 
 import time
-from collections import Counter, deque
+from collections import deque
 from typing import Iterator
 
 from lora.errors import AdapterError
@@ -28,6 +28,7 @@ from workers.adapters import AdapterManager
 from workers.block_pool import BlockPool, extend_hashes, hash_root
 from workers.config import EngineConfig
 from workers.kv_cache import blocks_needed
+from workers.lora_budget import LoRABudget
 from workers.plan import Batch, StepOutput
 from workers.sequence import Sequence, Status
 
@@ -44,6 +45,7 @@ class Controller:
         self.chunked_prefill = config.enable_chunked_prefill
         self.blocks = BlockPool(num_kv_blocks, config.enable_prefix_caching)
         self.adapters = adapters
+        self.budget = LoRABudget(config.max_loras_per_batch, config.lora_max_wait_steps, adapters)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.errored: list[Sequence] = []       # finished outside a step (e.g. adapter load failed)
@@ -64,17 +66,19 @@ class Controller:
         self._new_sampler_slots: list[Sequence] = []
         budget = self.max_num_batched_tokens
         self._reserve_decode_blocks()
-        decodes = [(seq, 1) for seq in self.running if seq.num_uncomputed == 1]
+        holders = self.budget.rotate(self.running, self.waiting, self._lora_id, self._can_start, self.step_count)
+        runnable = [seq for seq in self.running if not self.budget.is_paused(seq)]
+        decodes = [(seq, 1) for seq in runnable if seq.num_uncomputed == 1]
         budget -= len(decodes)
         chunks = []
-        for seq in self.running:
+        for seq in runnable:
             if seq.num_uncomputed > 1 and budget > 0:
                 n = min(seq.num_uncomputed, budget)
                 chunks.append((seq, n))
                 budget -= n
         for seq, n in decodes + chunks:
             self._cache_full_blocks(seq, seq.num_computed_tokens + n)
-        admitted = self._admit(budget)
+        admitted = self._admit(budget, holders)
         self.running.extend(seq for seq, _ in admitted)
         scheduled = decodes + chunks + admitted
         return self._batch(scheduled) if scheduled else None
@@ -96,49 +100,43 @@ class Controller:
             kept.append(seq)
         self.running = kept
 
-    def _admit(self, budget: int) -> list[tuple[Sequence, int]]:
+    def _admit(self, budget: int, holders: set[str]) -> list[tuple[Sequence, int]]:
+        """Start waiting requests in `_admission_order` while their adapter holds the budget or finds room in it."""
         admitted: list[tuple[Sequence, int]] = []
-        active = {s.adapter_key for s in self.running if s.adapter}
-        limit = self.config.max_loras_per_batch
-        for seq in self._admission_order(active):
+        for seq in self._admission_order():
             if budget <= 0 or len(self.running) + len(admitted) >= self.config.max_num_seqs:
                 break
             lora = self._lora_id(seq)
-            if lora and lora not in active and (len(active) >= limit or self._experts_full(lora, active)):
-                if seq.lora_skips > self.config.lora_max_wait_steps:
-                    break                        # drain the running adapters for this one
+            if lora and not self.budget.fits(lora, holders):
                 continue
             started = self._start(seq, budget)
             if started is None:
                 break                            # out of KV blocks (or, unchunked, of tokens): keep FCFS order
             if started == 0:
                 continue                         # its adapter is loading (or failed)
-            if seq.adapter:
-                active.add(seq.adapter_key)
+            if seq.adapter and seq.adapter_key not in holders:
+                self.budget.enter(seq.adapter_key, holders, self.step_count)
+            seq.lora_skips = 0
             admitted.append((seq, started))
             budget -= started
             self._cache_full_blocks(seq, seq.num_computed_tokens + started)
-        for seq in self.waiting:
-            lora = self._lora_id(seq)
-            if lora and lora not in active and (len(active) >= limit or self._experts_full(lora, active)):
-                seq.lora_skips += 1
+        paused = [seq for seq in self.running if self.budget.is_paused(seq)]
+        self.budget.count_skips((*self.waiting, *paused), holders, self._lora_id)
         return admitted
 
-    def _admission_order(self, active: set[str]) -> Iterator[Sequence]:
-        """Waiting requests in the order admission tries them (see the module docstring)."""
-        waiting = list(self.waiting)
-        if any(s.lora_skips > self.config.lora_max_wait_steps for s in waiting):
-            yield from waiting
-            return
+    def _admission_order(self) -> Iterator[Sequence]:
+        """Waiting requests in the order admission tries them: the base model's and those of adapters that run,
+        in arrival order, then the other adapters' (those the rotation gave room first: the same order)."""
+        running = {s.adapter_key for s in self.running if s.adapter and not self.budget.is_paused(s)}
         later: dict[str, list[Sequence]] = {}
-        for seq in waiting:
+        for seq in list(self.waiting):
             lora = self._lora_id(seq)
-            if lora is None or lora in active:
+            if lora is None or lora in running:
                 yield seq
             else:
                 later.setdefault(lora, []).append(seq)
-        counts = Counter({name: len(seqs) for name, seqs in later.items()})
-        for name, _ in counts.most_common():     # ties keep arrival order (Counter preserves insertion)
+        # oldest first, then the most waiting requests; ties keep arrival order (dicts keep insertion order)
+        for name in sorted(later, key=lambda k: (max(s.lora_skips for s in later[k]), len(later[k])), reverse=True):
             yield from later[name]
 
     def _start(self, seq: Sequence, budget: int) -> int | None:
@@ -176,11 +174,17 @@ class Controller:
         self.waiting.remove(seq)
         return min(len(seq) - cached, budget)
 
-    def _experts_full(self, lora: str, active: set[str]) -> bool:
-        """MoE: `lora` has expert weights and the batch already holds max_expert_loras adapters that do."""
-        adapters = self.adapters
-        return adapters.uses_experts(lora) and \
-            sum(map(adapters.uses_experts, active)) >= adapters.max_expert_loras
+    def _can_start(self, seq: Sequence) -> bool:
+        """Whether `seq` could start now: a sampler row, KV blocks for its whole prompt (prefix hits not counted)
+        and its adapter in host memory (else its load starts)."""
+        if len(self.running) >= self.config.max_num_seqs or \
+                blocks_needed(len(seq), self.block_size) > self.blocks.num_free:
+            return False
+        try:
+            return self.adapters.ensure(self._lora_id(seq))
+        except AdapterError as exc:   # unloaded while it waited, or its load failed (reported once): as admission
+            self._fail_waiting(seq, exc)
+            return False
 
     def _lora_id(self, seq: Sequence) -> str | None:
         """The adapter version `seq` runs on (or would, admitted now): what takes a slot."""
@@ -230,7 +234,8 @@ class Controller:
     def _batch(self, scheduled: list[tuple[Sequence, int]]) -> Batch:
         loads, expert_slots = [], {}
         if self.adapters is not None:
-            names = {s.adapter_key for s in self.running if s.adapter}   # slots of chunks in progress stay too
+            # slots of chunks in progress stay too; paused adapters' may go to others
+            names = {s.adapter_key for s in self.running if s.adapter and not self.budget.is_paused(s)}
             loads, expert_slots = self.adapters.assign_slots(names) if names else ([], {})
         slot_of = self.adapters.slot_of if self.adapters is not None else (lambda _: -1)
         # Decodes first, then chunks; within each, by slot: one LoRA segment per adapter.
