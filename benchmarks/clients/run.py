@@ -57,7 +57,9 @@ def client_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "HF_", "LANGCHAIN_", "LANGSMITH_"))}
     return {**env, "HF_HOME": str(RUN_DIR / "hf"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
             "TOKENIZERS_PARALLELISM": "false", "OPENAI_AGENTS_DISABLE_TRACING": "1", "LANGCHAIN_TRACING_V2": "false",
-            "LANGSMITH_TRACING": "false", "OPENAI_API_KEY": "unused", "no_proxy": "127.0.0.1", "NO_PROXY": "127.0.0.1"}
+            "LANGSMITH_TRACING": "false", "OPENAI_API_KEY": "unused", "no_proxy": "127.0.0.1", "NO_PROXY": "127.0.0.1",
+            # guidellm's default, 10 worker processes that each import torch, took 70 s to start on 2 busy cores.
+            "GUIDELLM__MAX_WORKER_PROCESSES": "2"}
 
 
 def start_server(port: int, log: Path) -> subprocess.Popen:
@@ -223,13 +225,14 @@ def main(argv: list[str] | None = None) -> int:
             rows += got
     finally:
         stop_server(server)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
+    commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()   # -dirty: run on uncommitted changes
     report = (f"`make clients` at {commit}, {datetime.date.today()}, {time.monotonic() - started:.0f} s "
               f"(the demo server on CPU; per check, its share of its client's wall time):\n\n{table(rows, seconds)}\n")
     print("\n" + report)
     if args.record:
-        args.record.write_text(f"# Clients against the demo server (benchmarks/clients/run.py)\n\n{report}")
+        # A section of benchmarks/RESULTS.md, which includes results/*.md.
+        args.record.write_text(f"### Clients against the demo server (make clients)\n\n{report}")
     return 0 if rows and all(row["ok"] for row in rows) else 1
 
 
