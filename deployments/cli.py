@@ -22,6 +22,7 @@ from pathlib import Path
 
 from deployments.config import DEMO_MODEL, LLMConfig
 from lora.modules import SUPPORTED_MODULES as SUPPORTED_LORA_MODULES
+from workers.reasoning import REASONING_PARSERS
 
 DEFAULT_APP_NAME = "loraserve"
 SHUTDOWN_GRACE_S = 8.0    # after SIGTERM the process is gone within this, whatever hangs (orchestrators wait 10+)
@@ -70,6 +71,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      help="run long prompts in chunks beside the running decodes (default: on)")
     run.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                      help="reuse the KV of prompt prefixes seen before, per adapter (default: on)")
+    run.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                     help="a thinking model's reasoning apart from its answer (message.reasoning_content), and a "
+                          "response_format / tools grammar applied after it (vLLM's flag; README: Reasoning)")
     run.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                      help="the engine in a process of its own beside each replica (TP=1; vLLM's EngineCore)")
     run.add_argument("--host", default="127.0.0.1")
@@ -129,6 +133,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         kwargs["cpu_reserved_cores"] = args.cpu_reserved_cores
     if args.lora_target_modules:
         kwargs["lora_target_modules"] = tuple(dict.fromkeys(args.lora_target_modules))
+    if args.reasoning_parser:
+        kwargs["reasoning_parser"] = args.reasoning_parser
     return kwargs
 
 

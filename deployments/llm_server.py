@@ -37,6 +37,7 @@ from workers.config import SamplingParams
 from workers.engine_process import start_engine
 from workers.limits import check_prompt, check_token_ids, room_to_generate
 from workers.output import TokenNames
+from workers.reasoning import think_tokens
 from workers.sequence import RequestOutput
 
 Prompt = str | list[int]
@@ -53,6 +54,7 @@ class LLMServer(ReplicaAdapters):
         self.replica_id = context.replica_id.unique_id
         self.engine = await asyncio.to_thread(_start_engine, config)   # minutes for a big model
         self._token_names = TokenNames(self.engine.decode_tokenizer)
+        self._think = think_tokens(config.engine.reasoning_parser, self.engine.decode_tokenizer)   # chat's reasoning
         self._batch_window_s = config.stream_batch_interval_ms / 1e3
         self.metrics = ServerMetrics(config.base_model_name, self.engine.max_model_len,
                                      config.engine.max_loras_per_batch)
@@ -134,7 +136,7 @@ class LLMServer(ReplicaAdapters):
         outs = await self.generate_choices(prompt, sampling_params, messages=messages, n=n, best_of=best_of,
                                            echo=spec.echo, names=spec.logprobs, tools=tools,
                                            chat_template_kwargs=chat_template_kwargs)
-        return render_choices(outs, spec, self.replica_id)
+        return render_choices(outs, spec, self.replica_id, self._think)
 
     async def render_stream(self, prompt: Prompt | None, sampling_params: dict, spec: RenderSpec, *,
                             messages: list[dict] | None = None, n: int = 1,
@@ -143,7 +145,7 @@ class LLMServer(ReplicaAdapters):
         """A streamed answer's SSE events (usage chunk and [DONE] included), joined per step window. The
         first item is (replica id, events): it comes once the request is accepted, so a refused one raises
         before it; an error after it is raised after the events before it (the ingress reports it in-band)."""
-        renderer = StreamRenderer(spec)
+        renderer = StreamRenderer(spec, self._think)
 
         async def events() -> AsyncIterator[str]:
             async with aclosing(self.generate_stream(prompt, sampling_params, messages=messages, n=n,

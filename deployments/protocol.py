@@ -44,7 +44,7 @@ UNSUPPORTED_UNLESS = {
     "structural_tag": (None,), "priority": (None, 0), "request_id": (None,), "documents": (None,),
     "mm_processor_kwargs": (None,), "logits_processors": (None,), "cache_salt": (None,),
     "kv_transfer_params": (None,), "vllm_xargs": (None,), "prompt_embeds": (None,), "return_token_ids": (None, False),
-    "include_reasoning": (None, True),   # without a reasoning parser there is no reasoning to leave out
+    "include_reasoning": (None, True),   # completions have no reasoning to leave out (chat: a field)
 }
 MAX_PROMPTS = 256                          # prompts of one /v1/completions request (each is a handle call)
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)   # what torch.Generator.manual_seed takes
@@ -209,6 +209,7 @@ class ChatCompletionRequest(OpenAIRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False     # the last (assistant) message is continued, not closed
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None  # a template's
+    include_reasoning: bool = True           # vLLM's: false leaves a reasoning parser's reasoning out of the answer
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)

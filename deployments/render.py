@@ -17,7 +17,9 @@ import json
 from typing import Any
 
 from deployments import responses as rs
+from deployments.reasoning import ReasoningParser, reasoning_fields, split_reasoning
 from deployments.tool_calls import ToolCallParser, parse_tool_calls
+from workers.reasoning import ThinkTokens
 
 DONE = "data: [DONE]\n\n"
 _body_json = functools.partial(json.dumps, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
@@ -35,6 +37,7 @@ class RenderSpec:
     include_usage: bool = False          # stream: a last chunk with the usage
     continuous_usage: bool = False       # stream: the usage so far on every chunk (vLLM's continuous_usage_stats)
     score_prompt: bool = False           # completions' max_tokens 0 with echo: the prompt only, nothing generated
+    include_reasoning: bool = True       # chat with a reasoning parser: the reasoning shown (vLLM's field)
     first_index: int = 0                 # completions with several prompts: prompt p's choices start at p * n
 
     @classmethod
@@ -43,7 +46,8 @@ class RenderSpec:
         return cls(chat=chat, model=body.model, logprobs=body.wants_logprobs, echo=getattr(body, "echo", False),
                    token_ids_as_names=body.return_tokens_as_token_ids,
                    tool_calls=chat and body.parses_tool_calls, include_usage=body.include_usage,
-                   continuous_usage=body.continuous_usage, score_prompt=getattr(body, "score_prompt", False))
+                   continuous_usage=body.continuous_usage, score_prompt=getattr(body, "score_prompt", False),
+                   include_reasoning=getattr(body, "include_reasoning", True))
 
     def new_id(self) -> str:
         return rs.new_id("chatcmpl" if self.chat else "cmpl")   # not the request id: that names the helper
@@ -59,17 +63,23 @@ class RenderedChoices:
     replica_id: str
 
 
-def render_choices(outs: list, spec: RenderSpec, replica_id: str) -> RenderedChoices:
-    """The finished choices of one prompt (ServedOutputs, `index` 0..n-1) as OpenAI choice objects."""
+def render_choices(outs: list, spec: RenderSpec, replica_id: str, think: ThinkTokens | None = None) -> RenderedChoices:
+    """The finished choices of one prompt (ServedOutputs, `index` 0..n-1) as OpenAI choice objects; `think`: the
+    reasoning parser's tags (deployments/reasoning.py), chat only."""
     choices = []
     outs = [_prompt_only(out) for out in outs] if spec.score_prompt else outs
     for out in outs:
         if spec.token_ids_as_names:
             rs.name_tokens_by_id(out)
         if spec.chat:
-            content, calls = parse_tool_calls(out.text) if spec.tool_calls else (out.text, [])
+            reasoning, content = None, out.text
+            if think is not None:   # an output cut in its reasoning has no content (vLLM's)
+                reasoning, content = split_reasoning(think, out.prompt_token_ids, out.text)
+                content = content or None
+            content, calls = parse_tool_calls(content or "") if spec.tool_calls else (content, [])
             choices.append(rs.chat_choice(out.index, content, rs.tool_finish_reason(rs.finish_reason(out), len(calls)),
-                                          rs.chat_logprobs(out) if spec.logprobs else None, calls))
+                                          rs.chat_logprobs(out) if spec.logprobs else None, calls,
+                                          reasoning if spec.include_reasoning else None))
         else:
             logprobs = rs.completion_logprobs(out, echo=spec.echo) if spec.logprobs else None
             choices.append(rs.completion_choice(spec.first_index + out.index, (out.prompt_text or "") + out.text,
@@ -99,19 +109,22 @@ class StreamRenderer:
     """A stream's SSE events: `feed(item)` for each delta (ServedOutput, any choice), then `finish()`.
 
     Per choice it keeps what later events depend on: whether the chat role chunk was sent, the text
-    offset of completions' logprobs, and the tool-call parser (text inside a call is held until the
-    call is complete). An error is not rendered here: the ingress reports it in-band (it also sees
+    offset of completions' logprobs, the reasoning parser (`think`: its tags, chat only) and the
+    tool-call parser (text inside a call is held until the call is complete), which reads the content
+    after the reasoning. An error is not rendered here: the ingress reports it in-band (it also sees
     the errors of a replica that died).
     """
 
-    def __init__(self, spec: RenderSpec):
+    def __init__(self, spec: RenderSpec, think: ThinkTokens | None = None):
         self.spec = spec
+        self._think = think if spec.chat else None
         self.response_id = spec.new_id()
         self._make_body = rs.chat_body if spec.chat else rs.completion_body
         self.prompt_tokens = self.cached_tokens = self.completion_tokens = 0
         self._started: set[int] = set()
         self._offsets: dict[int, int] = {}
         self._parsers: dict[int, ToolCallParser] = {}
+        self._reasoners: dict[int, ReasoningParser] = {}
 
     def _event(self, choices: list[dict], usage: dict | None = None) -> str:
         if usage is None and self.spec.continuous_usage:
@@ -131,6 +144,8 @@ class StreamRenderer:
             rs.name_tokens_by_id(item)
         if spec.chat and i not in self._started:
             events.append(self._event([rs.chat_chunk_choice(i, {"role": "assistant", "content": ""}, None)]))
+            if self._think is not None:   # a choice's first item carries the prompt
+                self._reasoners[i] = ReasoningParser(self._think, item.prompt_token_ids)
         self._started.add(i)
         self.completion_tokens += len(item.token_ids)
         finish = rs.finish_reason(item)
@@ -149,7 +164,14 @@ class StreamRenderer:
     def _chat_event(self, item, i: int, text: str, finish: str | None) -> list[str]:
         spec = self.spec
         logprobs = rs.chat_logprobs(item) if spec.logprobs else None
-        calls, made = [], 0
+        calls, made, reasoning = [], 0, ""
+        if self._think is not None:
+            reasoner = self._reasoners[i]
+            reasoning, text = reasoner.feed(text)
+            if finish:
+                tail_reasoning, tail = reasoner.finish()
+                reasoning, text = reasoning + tail_reasoning, text + tail
+            reasoning = reasoning if spec.include_reasoning else ""
         if spec.tool_calls:
             parser = self._parsers.setdefault(i, ToolCallParser())
             made = parser.num_calls
@@ -158,9 +180,11 @@ class StreamRenderer:
                 tail, more = parser.finish()
                 text, calls = text + tail, calls + more
             finish = rs.tool_finish_reason(finish, parser.num_calls)
-        if not (text or calls or finish or logprobs or not spec.tool_calls):
-            return []
-        delta: dict[str, Any] = {"content": text} if text or not (finish or calls) else {}
+        if not (text or reasoning or calls or finish or logprobs) and (spec.tool_calls or self._think is not None):
+            return []   # all of it held back by a parser
+        delta: dict[str, Any] = reasoning_fields(reasoning)
+        if text or not (finish or calls or reasoning):
+            delta["content"] = text
         if calls:
             delta["tool_calls"] = rs.tool_call_deltas(calls, made)
         return [self._event([rs.chat_chunk_choice(i, delta, finish, logprobs)])]

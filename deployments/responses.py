@@ -11,6 +11,7 @@ import time
 import uuid
 from typing import Any
 
+from deployments.reasoning import reasoning_fields
 from workers.sequence import RequestOutput
 
 
@@ -102,8 +103,8 @@ def chat_body(request_id: str, model: str, choices: list[dict], usage_: dict | N
 
 
 def chat_choice(index: int, text: str | None, finish: str | None, logprobs: dict | None = None,
-                tool_calls: list[dict] | None = None) -> dict:
-    message = {"role": "assistant", "content": text}
+                tool_calls: list[dict] | None = None, reasoning: str | None = None) -> dict:
+    message = {"role": "assistant", "content": text, **reasoning_fields(reasoning)}
     if tool_calls:
         message["tool_calls"] = tool_calls
     return {"index": index, "message": message, "finish_reason": finish, "logprobs": logprobs}

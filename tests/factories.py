@@ -43,6 +43,24 @@ def with_thinking_switch(model_path: Path, out: Path) -> Path:
     return Path(out)
 
 
+def thinking_model(model_path: Path, out: Path, seed: int = 0) -> Path:
+    """A copy of a Qwen3 checkpoint that thinks as Qwen3 does: its enable_thinking switch, and `<think>` /
+    `</think>` as added tokens (not special, so they show in the text, as in Qwen3's tokenizer) with two
+    random embedding rows of their own."""
+    from tokenizers import AddedToken
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with_thinking_switch(model_path, out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    tokenizer.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in ("<think>", "</think>")])
+    tokenizer.save_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    torch.manual_seed(seed)
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    model.save_pretrained(out, safe_serialization=True)
+    return Path(out)
+
+
 def model_config(arch: str, vocab_size: int, **overrides):
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 

@@ -3,7 +3,9 @@ top alternatives, echo with prompt logprobs, /tokenize, /detokenize, /v1/models/
 stream rendered in the replica crosses Ray in fewer items than it has events (deployments/stream_batch.py).
 vLLM's fields the clients send: continuous_usage_stats, chat_template_kwargs (a template with Qwen3's thinking
 switch), reasoning_effort, max_tokens 0 scoring a prompt; every caller error a 400 body; readiness (the first
-answer of /v1/models lists the configured adapter) and /version.
+answer of /v1/models lists the configured adapter) and /version. The reasoning parser (--reasoning-parser
+qwen3, on a model with Qwen3's think tokens): reasoning_content apart from the content, streamed and whole,
+a JSON schema or a tool call after the thinking, nothing split with enable_thinking false.
 
 Logprobs are checked against plain torch on Hugging Face's fp32 logits (|dlogprob| < 1e-3); the
 official openai client parses every response and stream.
@@ -11,23 +13,28 @@ official openai client parses every response and stream.
 from __future__ import annotations
 
 import importlib.metadata
+import json
 
+import jsonschema
 import openai
 import pytest
 import requests
 import torch
 
 from deployments.render import RenderSpec
-from factories import PROMPTS, make_adapter, with_thinking_switch
+from factories import PROMPTS, make_adapter, thinking_model
 from serve_fixtures import wait_until
 from sse import events
 
 APP, BASE = "fields", "tiny"
+MAX_MODEL_LEN = 1024
 
 
 @pytest.fixture(scope="module")
 def files(model_dir, tmp_path_factory):
-    model = with_thinking_switch(model_dir("qwen3"), tmp_path_factory.mktemp("fields") / "qwen3")
+    # room for a prompt with tools (the template's tool instructions) and a scripted thinking answer after it
+    model = thinking_model(model_dir("qwen3", max_position_embeddings=MAX_MODEL_LEN),
+                           tmp_path_factory.mktemp("fields") / "qwen3")
     return {"model": model, "a": make_adapter(model, tmp_path_factory.mktemp("fields") / "a", r=8, seed=4)}
 
 
@@ -42,8 +49,8 @@ def url(files, shared_serve):
 
     # stream_batch_interval_ms: a 20 ms window (10 by default) for the stream that crosses Ray in batches, below
     app = build_app(dict(model=str(files["model"]), served_model_name=BASE, adapters={"a": str(files["a"])},
-                         device="cpu", dtype="float32", max_model_len=256, max_lora_rank=8, num_replicas=1,
-                         stream_batch_interval_ms=20))
+                         device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN, max_lora_rank=8, num_replicas=1,
+                         stream_batch_interval_ms=20, reasoning_parser="qwen3"))
     # not waiting for the app to be RUNNING, as `loraserve serve`'s port is open before: the first answer counts
     serve.run_many([serve.RunTarget(app, name=APP, route_prefix="/")], wait_for_applications_running=False)
 
@@ -145,8 +152,10 @@ def names_of(tokenizer, token_id: int) -> str:
 
 def test_chat_logprobs_name_tokens_by_text_and_bytes(url, hf):
     messages = [{"role": "user", "content": PROMPTS[1]}]
+    no_thinking = {"enable_thinking": False}   # all of the output is content (the reasoning parser is on)
     out = client(url).chat.completions.create(model=f"{BASE}:a", messages=messages, max_tokens=6, temperature=0,
-                                              logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+                                              logprobs=True, top_logprobs=3,
+                                              extra_body={"ignore_eos": True, "chat_template_kwargs": no_thinking})
     content = out.choices[0].logprobs.content
     assert len(content) == 6 and all(len(t.top_logprobs) == 3 for t in content)
     assert bytes(b for t in content for b in t.bytes).decode("utf-8", errors="replace").startswith(
@@ -178,7 +187,7 @@ def test_tokenize_detokenize_and_model_cards(url, hf):
     _, tokenizer = hf
     ids = post(url, "/tokenize", {"model": BASE, "prompt": PROMPTS[2]})
     assert ids["tokens"] == tokenizer(PROMPTS[2]).input_ids and ids["count"] == len(ids["tokens"])
-    assert ids["max_model_len"] == 256 and ids["token_strs"] is None
+    assert ids["max_model_len"] == MAX_MODEL_LEN and ids["token_strs"] is None
     messages = [{"role": "user", "content": "Hi"}]
     chat = post(url, "/tokenize", {"model": f"{BASE}:a", "messages": messages})["tokens"]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -292,3 +301,45 @@ def test_every_caller_error_is_a_400_with_openais_body(url, path, body, param):
     error = response.json()["error"]
     assert response.status_code == 400 and error["type"] == "BadRequestError" and error["message"], response.text
     assert set(error) == {"message", "type", "code", "param"} and error["param"] == param
+
+
+ANSWER = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+          "additionalProperties": False}
+
+
+def scripted(tokenizer) -> dict:
+    """Greedy sampling that thinks "ox" a few times, then writes </think>: "ox" leads by 10 until the frequency
+    penalty (2 per use) brings it under </think>, which leads every other token by ~20; after </think> a
+    request's grammar, where it has one, leaves only its own tokens."""
+    ox, end = tokenizer.encode(" fox")[-1], tokenizer.convert_tokens_to_ids("</think>")
+    return dict(model=BASE, messages=[{"role": "user", "content": "Hi"}], temperature=0, max_tokens=40,
+                logit_bias={str(ox): 30, str(end): 20}, frequency_penalty=2.0)
+
+
+def test_reasoning_parser_splits_the_thinking_and_the_grammar_waits_for_its_end(url, hf):
+    _, tokenizer = hf
+    args = scripted(tokenizer)
+    schema = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}
+    whole = client(url).chat.completions.create(**args, response_format=schema).choices[0]
+    reasoning = whole.message.reasoning_content
+    assert reasoning and set(reasoning.split("ox")) == {""} and whole.message.reasoning == reasoning
+    jsonschema.validate(json.loads(whole.message.content), ANSWER)   # the schema held only after </think>
+    streamed = {"reasoning_content": "", "content": ""}
+    for chunk in client(url).chat.completions.create(**args, response_format=schema, stream=True):
+        for field in streamed:
+            streamed[field] += getattr(chunk.choices[0].delta, field, None) or ""
+    assert streamed == {"reasoning_content": reasoning, "content": whole.message.content}
+
+    no_thinking = {"chat_template_kwargs": {"enable_thinking": False}}
+    free = client(url).chat.completions.create(**args, extra_body=no_thinking).choices[0].message
+    assert "</think>" in free.content and getattr(free, "reasoning_content", None) is None   # nothing split
+    answer = client(url).chat.completions.create(**args, response_format=schema, extra_body=no_thinking)
+    jsonschema.validate(json.loads(answer.choices[0].message.content), ANSWER)   # the grammar from token 1
+
+    tool = {"type": "function", "function": {"name": "report", "parameters": ANSWER}}
+    called = client(url).chat.completions.create(**{**args, "max_tokens": 96}, tools=[tool],
+                                                 tool_choice="required").choices[0]
+    assert called.finish_reason == "tool_calls" and set(called.message.reasoning_content.split("ox")) == {""}, called
+    [call] = called.message.tool_calls
+    assert call.function.name == "report"
+    jsonschema.validate(json.loads(call.function.arguments), ANSWER)

@@ -8,6 +8,7 @@ from lora.backend_names import BACKENDS as LORA_BACKENDS
 from lora.modules import SUPPORTED_MODULES as SUPPORTED_LORA_MODULES
 from workers.device import PLATFORMS
 from workers.grammar import StructuredSpec
+from workers.reasoning import REASONING_PARSERS
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 GREEDY_BELOW = 1e-5      # temperatures under this sample greedily (vLLM's rule): 1/T would overflow to NaN
 MAX_STOP_STRINGS = 16    # each one is searched for after every token
@@ -31,6 +32,9 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None   # tokens per step; default per device (device.py), see README
     enable_chunked_prefill: bool = True         # long prompts run in chunks beside the decodes
     enable_prefix_caching: bool = True          # reuse the KV of full blocks of a prompt seen before
+    # a thinking model's reasoning tags (workers/reasoning.py, vLLM's --reasoning-parser): a request's grammar
+    # applies after the reasoning; responses show it apart from the answer (deployments/reasoning.py)
+    reasoning_parser: str | None = None
     # KV cache
     kv_block_size: int = 16
     num_kv_blocks: int | None = None            # default: sized by kv_cache_memory_gb
@@ -114,6 +118,8 @@ class EngineConfig:
         need(self.expert_lora_memory_gb is None or self.expert_lora_memory_gb >= 0,
              "expert_lora_memory_gb must be >= 0 (or unset)")
         need(self.adapter_load_timeout_s > 0, "adapter_load_timeout_s must be > 0")
+        need(self.reasoning_parser in (None, *REASONING_PARSERS),
+             f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)} or unset, got {self.reasoning_parser!r}")
         bad = set(self.lora_target_modules) - set(SUPPORTED_LORA_MODULES)
         need(not bad, f"lora_target_modules {sorted(bad)} not supported; use {SUPPORTED_LORA_MODULES}")
         need(all(b >= 1 for b in self.graph_batch_sizes), "graph_batch_sizes must be positive")

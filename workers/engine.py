@@ -25,6 +25,7 @@ from workers.kv_cache import KVCache, blocks_needed
 from workers.models.loader import resolve_model_path
 from workers.output import RequestState
 from workers.plan import PlanBuilder
+from workers.reasoning import ReasoningGate, think_tokens
 from workers.quant.description import read_quantization
 from workers.runner import TORCH_DTYPES, RuntimeInfo
 from workers.sequence import RequestOutput, Sequence, TokenDelta
@@ -62,6 +63,7 @@ class LLMEngine:
                                      self.max_num_batched_tokens, self.adapters, eos_ids)
         self.planner = PlanBuilder(config.max_num_seqs, hf_config.vocab_size)
         self.grammars = GrammarCompiler(path, hf_config.vocab_size, eos_ids)   # compiles on a thread of its own
+        self.think = think_tokens(config.reasoning_parser, self.tokenizer)   # a grammar waits for the reasoning
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._seqs: dict[str, Sequence] = {}
@@ -154,6 +156,8 @@ class LLMEngine:
         seq = Sequence(request_id, token_ids, params, seed, adapter)
         if params.structured is not None:   # compiled here unless the caller compiled it off this thread
             seq.matcher = GrammarMatcher(grammar or self.grammars.compile_now(params.structured))
+            if self.think is not None:
+                seq.matcher = ReasoningGate(seq.matcher, self.think.end_id, self.think.reasoning_ended(token_ids))
         return seq
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, adapter: str | None = None,
