@@ -73,8 +73,7 @@ class LoRAPlan:
 
 @dataclass
 class LoRABatchInfo:
-    """A backend fills only the fields its ops read (lora/backends/*.py `batch_info`);
-    `make_batch_info` fills them all (tests, references)."""
+    """A backend fills only the fields its ops read (lora/backends/*.py `batch_info`)."""
     token_slots: torch.Tensor | None = None   # [T] int64 on the device, slot per token, -1 = base
     seg_lens: torch.Tensor | None = None      # [S] int64 on the device (sgmv kernels)
     seg_slots: torch.Tensor | None = None     # [S] int64 on the device
@@ -182,22 +181,3 @@ def plan_rows(index: torch.Tensor, ranks: torch.Tensor, max_rank: int, device: t
     kernel = KernelGroups(packed[:3 * G + 1 + int(starts[G])], G) if G else None
     return LoRAPlan(tuple(groups), kernel, tuple(groups[G:]) if gemm_min_tokens is not None else ())
 
-
-def make_batch_info(token_slots: list[int], slot_ranks: list[int], max_rank: int,
-                    device: torch.device | str = "cpu", use_graph: bool = False,
-                    phase: str | None = None, gemm_min_tokens: int | None = None) -> LoRABatchInfo:
-    """Every field of the batch info from host data (tests and references; backends build their own).
-
-    phase: "prefill" (the default; also right for a step mixing prompts and decodes) or
-    "decode" (one token per sequence); use_graph=True is the graph phase.
-    """
-    lens, slots = segments(token_slots)
-    T, S = len(token_slots), len(lens)
-    packed = to_device([*token_slots, *lens, *slots], device, torch.int64)   # one transfer, three views
-    plan = None if use_graph else plan_step(tuple(lens), tuple(slots), tuple(slot_ranks), max_rank, device,
-                                            gemm_min_tokens)
-    return LoRABatchInfo(
-        token_slots=packed[:T], seg_lens=packed[T:T + S], seg_slots=packed[T + S:],
-        seg_lens_host=tuple(lens), seg_slots_host=tuple(slots), token_slots_host=tuple(token_slots),
-        slot_ranks_host=tuple(slot_ranks), max_rank=max_rank, use_graph=use_graph,
-        phase="graph" if use_graph else phase or "prefill", plan=plan)

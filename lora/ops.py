@@ -117,25 +117,3 @@ def add_embedding_masked(y: torch.Tensor, ids: torch.Tensor, a: torch.Tensor, b:
     h = torch.where((token_slots >= 0).unsqueeze(1), rows.float(), 0)
     expand_masked(y, h, (b,), (0, b.shape[1]), token_slots)
 
-
-def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: Sequence[torch.Tensor], offsets: Sequence[int],
-             info: LoRABatchInfo, impl: str | None = None) -> None:
-    """y += the LoRA delta by a named implementation of lora.backends.IMPLEMENTATIONS (tests reach
-    each that way); by default the torch maths of info's phase (segments eager, masked in graphs)."""
-    if x.shape[0] == 0:   # nothing to add (and the NPU kernels' host checks refuse T = 0)
-        return
-    if impl is None:
-        return (add_lora_masked if info.use_graph else add_lora_segments)(y, x, a, b, offsets, info)
-    from lora.backends import IMPLEMENTATIONS   # the kernels' modules import this one
-    IMPLEMENTATIONS[impl].add_lora(y, x, a, b, offsets, info)
-
-
-def add_embedding_lora(y: torch.Tensor, ids: torch.Tensor, a: torch.Tensor, b: torch.Tensor, info: LoRABatchInfo,
-                       impl: str | None = None) -> None:
-    """y[t] += a[l, ids[t]] @ b[l].T as add_lora picks: a named implementation or the phase's torch maths."""
-    if ids.shape[0] == 0:
-        return
-    if impl is None:
-        return (add_embedding_masked if info.use_graph else add_embedding_segments)(y, ids, a, b, info)
-    from lora.backends import IMPLEMENTATIONS
-    IMPLEMENTATIONS[impl].add_embedding_lora(y, ids, a, b, info)

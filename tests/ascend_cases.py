@@ -10,9 +10,9 @@ import torch
 
 import ascend_emulator as emulator
 from ascend_emulator import CALLS, CONVENTION, register_emulator
-from lora import ops
 from lora.backends import ascend_probe
-from lora.batch import LoRABatchInfo, make_batch_info
+from lora.batch import LoRABatchInfo
+from lora_impls import add_lora, make_batch_info
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def info_for(case, phase: str) -> LoRABatchInfo:
 
 def run(case, phase: str, impl: str | None = None, y: torch.Tensor | None = None) -> torch.Tensor:
     y = case.y.clone() if y is None else y
-    ops.add_lora(y, case.x, case.a, case.b, case.offsets, info_for(case, phase), impl=impl or PHASES[phase])
+    add_lora(y, case.x, case.a, case.b, case.offsets, info_for(case, phase), impl=impl or PHASES[phase])
     return y
 
 

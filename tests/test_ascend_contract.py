@@ -12,9 +12,8 @@ import torch
 # npu_ops (registers the emulator) and today_s_convention (autouse) are fixtures: pytest finds them here
 from ascend_cases import (PATTERNS, PHASES, SHAPES, STACKS, assert_half_close, info_for, kernel_calls,  # noqa: F401
                           native, npu_ops, run, today_s_convention)
-from lora import ops
 from lora.backends import ascend
-from lora.batch import make_batch_info
+from lora_impls import add_embedding_lora, add_lora, make_batch_info
 from lora_reference import make_embedding_buffers, make_lora_case
 from workers.parallel import ParallelLMHead, TPGroup
 
@@ -109,8 +108,8 @@ def test_embedding_is_a_gather_in_torch(npu_ops, impl):
     y, expected = torch.zeros(len(token_slots), 16, dtype=torch.bfloat16), torch.zeros(len(token_slots), 16,
                                                                                         dtype=torch.bfloat16)
     before = Counter(npu_ops)
-    ops.add_embedding_lora(y, ids, a, b, info, impl=impl)
-    ops.add_embedding_lora(expected, ids, a, b, info, impl="torch_segments" if impl == "ascend_sgmv" else "torch_masked")
+    add_embedding_lora(y, ids, a, b, info, impl=impl)
+    add_embedding_lora(expected, ids, a, b, info, impl="torch_segments" if impl == "ascend_sgmv" else "torch_masked")
     assert kernel_calls(before) == {}
     torch.testing.assert_close(y, expected)
 
@@ -206,4 +205,4 @@ def test_backend_refuses_a_strided_weight(npu_ops):
     R = case.max_rank
     views = tuple(torch.zeros(b_s.shape[0], b_s.shape[1], 2 * R, dtype=b_s.dtype)[:, :, :R] for b_s in case.b)
     with pytest.raises(AssertionError, match="densely"):
-        ops.add_lora(case.y.clone(), case.x, case.a, views, case.offsets, info_for(case, "decode"), impl="ascend_bgmv")
+        add_lora(case.y.clone(), case.x, case.a, views, case.offsets, info_for(case, "decode"), impl="ascend_bgmv")

@@ -94,8 +94,8 @@ def test_cuda_graph_capture_replays_identically(model_dir):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU machine)")
 def test_cuda_graph_replays_the_lora_ops():
     """The graph phase's LoRA captured once, replayed with other slots per token: each replay is exact."""
-    from lora import ops
     from lora.batch import LoRABatchInfo
+    from lora_impls import add_embedding_lora, add_lora
     from lora_reference import assign_slots, make_embedding_buffers, make_lora_case, ref_add_embedding_lora, ref_add_lora
     case = make_lora_case("base_mixed", [1] * 16, (32, 16, 16), seed=3)
     emb_a, emb_b = make_embedding_buffers(case.ranks, case.max_rank, 30, 16, torch.float32, torch.Generator().manual_seed(1))
@@ -110,8 +110,8 @@ def test_cuda_graph_replays_the_lora_ops():
     def step():
         y.copy_(y0)
         emb_y.zero_()
-        ops.add_lora(y, x, a, b, case.offsets, info)
-        ops.add_embedding_lora(emb_y, ids, ea, eb, info)
+        add_lora(y, x, a, b, case.offsets, info)
+        add_embedding_lora(emb_y, ids, ea, eb, info)
 
     step()                                  # warm-up: nothing lazy may happen while capturing
     torch.cuda.synchronize()

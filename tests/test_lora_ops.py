@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from lora import ops
-from lora.batch import AdapterRows, LoRABatchInfo, make_batch_info, plan_step
+from lora.batch import AdapterRows, LoRABatchInfo, plan_step
+from lora_impls import add_embedding_lora, add_lora, make_batch_info
 from lora_reference import (POPULARITY, OpLog, assign_slots, make_embedding_buffers, make_lora_case,
                             ref_add_embedding_lora, ref_add_lora, slot_ranks)
 
@@ -55,7 +55,7 @@ def test_add_lora_matches_reference(pattern, shape, stack, path):
     expected = ref_add_lora(case.y.clone(), case.x, case.a, case.b, case.offsets, case.token_slots)
     y = case.y.clone()
     with OpLog() as log:
-        ops.add_lora(y, case.x, case.a, case.b, case.offsets, info, impl=PATHS[path][0])
+        add_lora(y, case.x, case.a, case.b, case.offsets, info, impl=PATHS[path][0])
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
     impl = PATHS[path][0]
     if impl in KERNEL_OPS and (impl == "cpu_bgmv" or info.plan.kernel is not None):
@@ -77,7 +77,7 @@ def test_add_embedding_lora_matches_reference(pattern, shape, path):
     y0 = torch.randn(len(token_slots), hidden, generator=gen)
     expected = ref_add_embedding_lora(y0.clone(), ids, a, b, token_slots)
     y = y0.clone()
-    ops.add_embedding_lora(y, ids, a, b, _info(token_slots, ranks, max_rank, path), impl=PATHS[path][0])
+    add_embedding_lora(y, ids, a, b, _info(token_slots, ranks, max_rank, path), impl=PATHS[path][0])
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -87,7 +87,7 @@ def test_add_lora_bf16(path):
     info = _info(case.token_slots, case.ranks, case.max_rank, path)
     expected = ref_add_lora(case.y.float(), case.x, case.a, case.b, case.offsets, case.token_slots)
     y = case.y.clone()
-    ops.add_lora(y, case.x, case.a, case.b, case.offsets, info, impl=PATHS[path][0])
+    add_lora(y, case.x, case.a, case.b, case.offsets, info, impl=PATHS[path][0])
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y.float(), expected, rtol=2e-2, atol=3e-2)
 
@@ -96,7 +96,7 @@ def test_add_lora_bf16(path):
 def test_no_tokens_is_a_no_op(path):
     case = make_lora_case("uniform", [0], STACKS["qkv"], seed=1)
     y = case.y.clone()
-    ops.add_lora(y, case.x, case.a, case.b, case.offsets, _info([], case.ranks, case.max_rank, path),
+    add_lora(y, case.x, case.a, case.b, case.offsets, _info([], case.ranks, case.max_rank, path),
                  impl=PATHS[path][0])
     assert y.shape == (0, 64)
 
@@ -108,7 +108,7 @@ def test_kernel_entries_refuse_operands_they_do_not_read(impl):
     case = make_lora_case("zipf", SHAPES["decode"], STACKS["qkv"], dtype=torch.float16, seed=6)
     info = _info(case.token_slots, case.ranks, case.max_rank, "cpu_bgmv" if impl == "cpu_bgmv" else "cpu_sgmv")
     with pytest.raises(ValueError, match="the CPU LoRA kernel does not take these operands"):
-        ops.add_lora(case.y.clone(), case.x, case.a, case.b, case.offsets, info, impl=impl)
+        add_lora(case.y.clone(), case.x, case.a, case.b, case.offsets, info, impl=impl)
 
 
 def test_masked_shrink_writes_zero_for_base_tokens():
@@ -164,19 +164,19 @@ def test_graph_implementations_run_on_fake_tensors(impl):
     y, emb_y = fake(case.y.clone()), fake(torch.zeros(len(case.token_slots), 16))
     ids = fake(torch.zeros(len(case.token_slots), dtype=torch.int64))
     with mode, OpLog() as log:
-        ops.add_lora(y, fake(case.x), fake(case.a), tuple(map(fake, case.b)), case.offsets, info, impl=impl)
-        ops.add_embedding_lora(emb_y, ids, fake(emb_a), fake(emb_b), info, impl=impl)
+        add_lora(y, fake(case.x), fake(case.a), tuple(map(fake, case.b)), case.offsets, info, impl=impl)
+        add_embedding_lora(emb_y, ids, fake(emb_a), fake(emb_b), info, impl=impl)
     assert y.shape == case.y.shape and emb_y.shape == (len(case.token_slots), 16)
     assert (KERNEL_OPS.get(impl) in log.names) if impl in KERNEL_OPS else not any("loraserve" in n for n in log.names)
 
 
-@pytest.mark.parametrize("impl", ["torch_masked", "cpu_bgmv", None])   # None: ops.add_lora's own, traced too
+@pytest.mark.parametrize("impl", ["torch_masked", "cpu_bgmv", None])   # None: the phase's torch maths, traced too
 def test_graph_implementations_compile_without_graph_breaks(impl):
     case = make_lora_case("base_mixed", SHAPES["decode"], STACKS["gate_up"], num_slots=4, seed=13)
     info = _graph_only_info(torch.tensor(case.token_slots), case.max_rank)
     expected = ref_add_lora(case.y.clone(), case.x, case.a, case.b, case.offsets, case.token_slots)
     torch._dynamo.reset()
-    compiled = torch.compile(ops.add_lora, fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(add_lora, fullgraph=True, backend="aot_eager")
     y = case.y.clone()
     compiled(y, case.x, case.a, case.b, case.offsets, info, impl=impl)
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)

@@ -4,12 +4,9 @@ ascend.py); the interface is base.py's, the maths they are tested against lora/o
 from __future__ import annotations
 
 import logging
-from typing import NamedTuple
-from collections.abc import Callable
 
 import torch
 
-from lora import ops
 from lora.backend_names import BACKENDS, DEFAULTS
 from lora.backends import ascend, ascend_probe, cpu_sgmv
 from lora.backends.base import LoRABackend
@@ -46,19 +43,3 @@ def get_backend(name: str | None, device: torch.device | str, dtype: torch.dtype
     log.warning("LoRA backend %s: %s; running torch_native (same results, slower)", chosen, reason)
     return TorchNativeBackend(device, dtype, max_rank)
 
-
-class Impl(NamedTuple):
-    add_lora: Callable[..., None]             # (y, x, a, b, offsets, info)
-    add_embedding_lora: Callable[..., None]   # (y, ids, a, b, info)
-
-
-# Every implementation by name, for the tests that hold each against the references (lora.ops's impl=).
-IMPLEMENTATIONS = {
-    "torch_segments": Impl(ops.add_lora_segments, ops.add_embedding_segments),
-    "torch_masked": Impl(ops.add_lora_masked, ops.add_embedding_masked),
-    "cpu_sgmv": Impl(cpu_sgmv.add_lora, ops.add_embedding_segments),
-    "cpu_bgmv": Impl(cpu_sgmv.add_lora_by_token, ops.add_embedding_masked),
-    "ascend_sgmv": Impl(ascend.add_lora_sgmv, ops.add_embedding_segments),
-    "ascend_bgmv": Impl(ascend.add_lora_bgmv, ops.add_embedding_masked),
-}
-GRAPH_SAFE = ("torch_masked", "cpu_bgmv", "ascend_bgmv")   # read only info.token_slots
