@@ -163,6 +163,10 @@ class AdapterRegistry:
     async def replica_stats(self) -> dict[str, dict]:
         return {rid: stats for rid, (_, _, stats) in self._live().items()}
 
+    async def live_replicas(self) -> list[str]:
+        """The replicas that reported within the last few heartbeats (what prefetch partitions the adapters over)."""
+        return sorted(self._live())
+
     async def drop(self) -> None:
         """Forget everything, persisted state included (the application is deleted); the caller kills us."""
         internal_kv._internal_kv_del(self._key, namespace=NAMESPACE)

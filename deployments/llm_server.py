@@ -26,6 +26,7 @@ from deployments.errors import quiet_caller_errors
 from deployments.loopback import bind_replica_grpc_to_node_ip
 from deployments.metrics import ServerMetrics
 from deployments.replica_adapters import ReplicaAdapters
+from deployments.routing.prefetch import HomePrefetcher
 from deployments.render import RenderedChoices, RenderSpec, StreamRenderer, render_choices
 from deployments.served_output import ServedOutput
 from deployments.stream_batch import batched
@@ -64,6 +65,12 @@ class LLMServer(ReplicaAdapters):
                                       self.stats, loaded=config.adapters)
         await self.adapters.sync()
         self._sync_task = asyncio.get_running_loop().create_task(self.adapters.run())
+        if config.routing == "adapter-affinity":   # this replica's share of the adapters, read before requests come
+            self._prefetch_task = asyncio.get_running_loop().create_task(HomePrefetcher(
+                self.replica_id, live_replicas=lambda: registry.call(lambda actor: actor.live_replicas.remote()),
+                adapters=lambda: self.adapters.sources, registered=lambda: self.adapters.loaded,
+                register=self._ensure_loaded, engine=self.engine, capacity=config.engine.max_loaded_loras,
+                period_s=config.routing_stats_period_s).run())
         # Serve's per-replica LRU of adapter ids: what it reports drives routing affinity. Built here
         # because its size comes from the config; a plain function, as Serve keeps its state on it.
         async def load_for_routing(name: str) -> str:
@@ -294,6 +301,8 @@ class LLMServer(ReplicaAdapters):
 
         When the whole application is being deleted, its adapter registry goes with it.
         """
+        if hasattr(self, "_prefetch_task"):
+            self._prefetch_task.cancel()
         if hasattr(self, "_sync_task"):
             self._sync_task.cancel()
             if not await self.adapters.registry.release_if_app_deleted():

@@ -177,6 +177,22 @@ class HostAdapterCache:
             self._counts["misses"] += 1
             token = object()
             self._loading[name] = (token, time.monotonic())
+        self._submit(name, source, token)
+        return False
+
+    def prefetch(self, name: str) -> bool:
+        """Start a background load of a registered adapter neither resident nor loading; True if one started.
+        No request asked for it, so it counts no miss."""
+        with self._lock:
+            source = self._sources.get(name)
+            if source is None or name in self._resident or name in self._loading:
+                return False
+            token = object()
+            self._loading[name] = (token, time.monotonic())
+        self._submit(name, source, token)
+        return True
+
+    def _submit(self, name: str, source: str, token: object) -> None:
         try:
             self._executor.submit(self._load_in_background, name, source, token)
         except BaseException:
@@ -184,7 +200,6 @@ class HostAdapterCache:
                 if self._loading.get(name, (None,))[0] is token:
                     del self._loading[name]
             raise
-        return False
 
     def _load_in_background(self, name: str, source: str, token: object) -> None:
         start = time.perf_counter()

@@ -208,6 +208,16 @@ class AdapterManager:
                 "expert_slots": self.expert_slots.stats(),
                 "versions": {name: self._versions[key] for name, key in self._current.items()}}
 
+    def prefetch(self, names: list[str]) -> list[str]:
+        """Background loads into host memory of the current versions of `names` not resident (unknown names are
+        skipped: the registry may know an adapter this engine has not registered yet)."""
+        started = []
+        for name in names:
+            key = self._current.get(name)
+            if key is not None and self.cache.prefetch(key):
+                started.append(name)
+        return started
+
     def residency(self) -> dict:
         """Adapter names (not versions) in device slots, in host memory, being loaded, and the one a cold load
         would evict now: what this replica reports to the request router."""

@@ -269,6 +269,11 @@ class LLMEngine:
     def list_adapters(self) -> dict[str, str]:
         return self._need_lora().list() if self.adapters else {}
 
+    def prefetch_adapters(self, names: list[str]) -> list[str]:
+        """Start reading these registered adapters into host memory (background loads, as a request's would);
+        returns those started. The caller keeps within the cache's room: a load past it evicts the LRU one."""
+        return self._need_lora().prefetch(names) if self.adapters else []
+
     def stats(self) -> dict:
         c = self.controller
         out = {"step": c.step_count, "num_preemptions": c.num_preemptions, "waiting": len(c.waiting),
