@@ -15,6 +15,24 @@ from lora.batch import LoRABatchInfo, plan_step, segments
 from lora.transfer import to_device
 
 
+def ascend_sgmv(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: Sequence[torch.Tensor],
+                offsets: Sequence[int], info: LoRABatchInfo) -> None:
+    """Prefill as AscendBackend.bind decides it: sgmv over the step's segments (torch.ops.npu: the emulator of
+    tests/ascend_emulator.py) where the kernels take the operands, else the torch segments."""
+    if not ascend.eligible(y, x, a, b, offsets, ascend.device_dtypes(x.device)):
+        return ops.add_lora_segments(y, x, a, b, offsets, info)
+    ascend._add_lora(y, x, a, b, offsets, info, False, torch.ops.npu)
+
+
+def ascend_bgmv(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: Sequence[torch.Tensor],
+                offsets: Sequence[int], info: LoRABatchInfo) -> None:
+    """Decode and graph replay: bgmv over info.token_slots where the kernels take the operands, else the
+    masked torch ops."""
+    if not ascend.eligible(y, x, a, b, offsets, ascend.device_dtypes(x.device)):
+        return ops.add_lora_masked(y, x, a, b, offsets, info)
+    ascend._add_lora(y, x, a, b, offsets, info, True, torch.ops.npu)
+
+
 class Impl(NamedTuple):
     add_lora: Callable[..., None]             # (y, x, a, b, offsets, info)
     add_embedding_lora: Callable[..., None]   # (y, ids, a, b, info)
@@ -25,8 +43,8 @@ IMPLEMENTATIONS = {
     "torch_masked": Impl(ops.add_lora_masked, ops.add_embedding_masked),
     "cpu_sgmv": Impl(cpu_sgmv.add_lora, ops.add_embedding_segments),
     "cpu_bgmv": Impl(cpu_sgmv.add_lora_by_token, ops.add_embedding_masked),
-    "ascend_sgmv": Impl(ascend.add_lora_sgmv, ops.add_embedding_segments),
-    "ascend_bgmv": Impl(ascend.add_lora_bgmv, ops.add_embedding_masked),
+    "ascend_sgmv": Impl(ascend_sgmv, ops.add_embedding_segments),
+    "ascend_bgmv": Impl(ascend_bgmv, ops.add_embedding_masked),
 }
 
 

@@ -12,7 +12,7 @@ collided on purpose.
 Blocks are reference-counted. A block nobody references is free: it sits in
 an LRU queue and keeps its cached content until an allocation takes it, so
 "free" blocks are both reusable and evictable. Block 0 is the scratch block
-(kv_cache.SCRATCH_BLOCK) and is never handed out.
+(workers/kv_cache.py) and is never handed out.
 """
 from __future__ import annotations
 

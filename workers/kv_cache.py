@@ -10,8 +10,6 @@ import torch.nn.functional as F
 
 from workers import cpu_attention
 
-SCRATCH_BLOCK = 0
-
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)

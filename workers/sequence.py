@@ -115,8 +115,6 @@ class RequestOutput:
     logprobs: list[float]
     finish_reason: str | None
     adapter: str | None = None
-    # the adapter version it runs on (workers/adapters.py), held from admission to its end, preemption included
-    adapter_key: str | None = field(default=None, init=False)
     error: str | None = None
     num_cached_tokens: int = 0            # prompt tokens served from the prefix cache
     top_logprobs: list[list[tuple[int, float]]] | None = None   # per token: (id, logprob) of the likeliest

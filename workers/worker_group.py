@@ -220,9 +220,6 @@ class WorkerGroup:
         """Per rank: parameter bytes by name, LoRA slot bytes, KV cache bytes."""
         return self._gather([w.resident_bytes.remote() for w in self.workers], self.step_timeout_s, "resident_bytes")
 
-    def placements(self) -> list[dict]:
-        return self._gather([w.placement.remote() for w in self.workers], HEALTH_TIMEOUT_S, "placement")
-
     def _gather(self, refs: list, timeout_s: float, what: str) -> list:
         """Every result, in rank order; the first failure (or the deadline) fails the group at once.
 

@@ -33,8 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lora import ops as torch_ops
-from lora.backends.base import LayerLoRA, LoRABackend, torch_ops as torch_layer_ops
+from lora.backends.base import LayerLoRA, LoRABackend, torch_ops
 from lora.batch import LoRABatchInfo, segments
 from lora.transfer import to_device
 
@@ -120,22 +119,6 @@ def _add_lora(y, x, a, b, offsets, info: LoRABatchInfo, by_token: bool, ops, con
     run_kernels(y, x, a, b, offsets, index, by_token, ops, contract)
 
 
-def add_lora_sgmv(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: Sequence[torch.Tensor],
-                  offsets: Sequence[int], info: LoRABatchInfo, *, contract: Contract = TODAY) -> None:
-    """Prefill: sgmv over the step's segments; where the kernels do not apply, the torch segments."""
-    if not eligible(y, x, a, b, offsets, device_dtypes(x.device), ranks=contract.ranks):
-        return torch_ops.add_lora_segments(y, x, a, b, offsets, info)
-    _add_lora(y, x, a, b, offsets, info, False, torch.ops.npu, contract)
-
-
-def add_lora_bgmv(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: Sequence[torch.Tensor],
-                  offsets: Sequence[int], info: LoRABatchInfo, *, contract: Contract = TODAY) -> None:
-    """Decode and graph replay: bgmv over info.token_slots (fixed size); else the masked torch ops."""
-    if not eligible(y, x, a, b, offsets, device_dtypes(x.device), ranks=contract.ranks):
-        return torch_ops.add_lora_masked(y, x, a, b, offsets, info)
-    _add_lora(y, x, a, b, offsets, info, True, torch.ops.npu, contract)
-
-
 class AscendBackend(LoRABackend):
     """sgmv over the step's segments for prefill, bgmv over the per-token slots for decode and graph
     replay, called under the installed kernels' contract; layers the kernels do not take (see `eligible`)
@@ -175,7 +158,7 @@ class AscendBackend(LoRABackend):
             self.fallback(layer, f"sgl_kernel_npu does not take {self.dtype}, in {a.shape[2]}, rank {b[0].shape[2]}, "
                                  f"slices {[offsets[s + 1] - offsets[s] for s in range(len(b))]}")
             self.needs_plan = True
-            return torch_layer_ops(a, b, offsets)
+            return torch_ops(a, b, offsets)
         kernels = self.ops
 
         def sgmv(y, x, info):
