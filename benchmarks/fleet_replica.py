@@ -98,6 +98,15 @@ class Replica:
         self.cold_loads += 1
         return req.adapter if len(self.loading) == 1 else None
 
+    def prefetch(self, adapter: str) -> str | None:
+        """A home adapter read ahead of requests (deployments/routing/prefetch.py); returns it if its load starts
+        now. Queued with the cold loads (the engine reads it on a load thread: this is the slower case)."""
+        if adapter in self.host or adapter in self.blocked:
+            return None
+        self.blocked[adapter] = []
+        self.loading.append(adapter)
+        return adapter if len(self.loading) == 1 else None
+
     def loaded(self, adapter: str) -> str | None:
         """A cold load ended: the adapter is in host memory; returns the next load to start, if any."""
         assert self.loading[0] == adapter

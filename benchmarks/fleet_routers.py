@@ -26,6 +26,7 @@ import random
 from types import SimpleNamespace
 
 from deployments.routing.policy import AffinityPolicy
+from deployments.routing.prefetch import home_of
 
 INITIAL_BACKOFF_S, BACKOFF_MULTIPLIER, MAX_BACKOFF_S = 0.025, 2, 0.5   # ray/serve/_private/constants.py:565-572
 PUSH_MODEL_IDS_S = 0.1   # a replica pushes its multiplexed model ids at most this often (constants.py:383)
@@ -58,11 +59,18 @@ class Router:
 class AffinityRouting(Router):
     name = "adapter-affinity"
 
-    def __init__(self, replicas: list, clock, *, stats_period_s: float = 1.0, seed: int = 0, **options):
+    def __init__(self, replicas: list, clock, *, stats_period_s: float = 1.0, seed: int = 0,
+                 adapters: list[str] = (), prefetch_fill: float = 0.75, **options):
         super().__init__(replicas, clock)
         self.policy = AffinityPolicy(clock=clock, rng=random.Random(seed), **options)
         self.policy.set_replicas(str(r.index) for r in replicas)
         self.stats_period_s = stats_period_s
+        ids = [str(r.index) for r in replicas]   # each replica's home adapters, by the replicas' own rule
+        self.homes: dict[int, list[str]] = {r.index: [] for r in replicas}
+        for adapter in sorted(adapters):
+            self.homes[int(home_of(adapter, ids))].append(adapter)
+        self.prefetch_fill = prefetch_fill
+        self._prefetched_at = -stats_period_s
         self._stats: dict[int, dict] = {r.index: {} for r in replicas}
         self._stats_at = -stats_period_s
 
@@ -79,7 +87,19 @@ class AffinityRouting(Router):
             self.policy.report(str(r.index), capacity=r.spec.max_num_seqs, load=stats.get("load"),
                                device=stats.get("device", ()), host=stats.get("host", frozenset()) | set(r.host)
                                | set(r.loading), loading=stats.get("loading", ()),
-                               evicts_next=stats.get("evicts_next"))
+                               evicts_next=stats.get("evicts_next"), lora_budget=r.spec.max_loras_per_batch)
+
+    def prefetch_targets(self, now: float) -> list[tuple[object, str]]:
+        """What each replica's HomePrefetcher starts this period: home adapters not held, into the room left."""
+        if now - self._prefetched_at < self.stats_period_s:
+            return []
+        self._prefetched_at = now
+        out = []
+        for r in self.replicas:
+            room = int(r.spec.max_loaded_loras * self.prefetch_fill) - len(r.host) - len(r.loading)
+            wanted = [a for a in self.homes[r.index] if a not in r.host and a not in r.blocked][:max(0, room)]
+            out += [(r, a) for a in wanted]
+        return out
 
     def tiers(self, req) -> list[list[int]]:
         return [[int(r)] for r in self.policy.rank(req.adapter)]
@@ -110,7 +130,7 @@ class ServeDefaultRouting(Router):
     name = "serve-default"
     CLOCK_OFFSET = 1e6   # Ray tests `not multiplexed_start_matching_time` (:313): a start at 0.0 would read unset
 
-    def __init__(self, replicas: list, clock, *, seed: int = 0):
+    def __init__(self, replicas: list, clock, *, seed: int = 0, adapters: list[str] = ()):
         from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
         from ray.serve._private.request_router import pow_2_router, request_router
         from ray.serve._private.request_router.common import PendingRequest

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, replace
 from benchmarks.common import RESULTS, machine_info, write_result
 from benchmarks.fleet_replica import Replica, ReplicaSpec, SimRequest, StepCosts
 from benchmarks.fleet_routers import AffinityRouting, ServeDefaultRouting
-from benchmarks.fleet_workload import FLEET, TRACE_CITATION, Phase, make_workload
+from benchmarks.fleet_workload import FLEET, TRACE_CITATION, Phase, adapter_names, make_workload
 
 TICK_S = 0.1           # load samples and Serve's replica-set broadcasts
 WINDOW_S = 10.0        # imbalance: max / mean of the replicas' mean in-flight over 10 s windows (1 s apart)
@@ -67,10 +67,11 @@ PHASES = {"steady-0.8": Phase("steady", 0.8), "steady-1.0": Phase("steady", 1.0)
 
 
 class Simulation:
-    def __init__(self, scenario: Scenario, costs: StepCosts, router: str, seed: int = 0):
+    def __init__(self, scenario: Scenario, costs: StepCosts, router: str, seed: int = 0, options=()):
         self.scenario, self.now = scenario, 0.0
         self.replicas = [Replica(i, scenario.spec, costs) for i in range(scenario.replicas)]
-        self.router = ROUTERS[router](self.replicas, lambda: self.now, seed=seed)
+        self.router = ROUTERS[router](self.replicas, lambda: self.now, seed=seed,
+                                      adapters=adapter_names(scenario.num_adapters), **dict(options))
         self.events: list = []
         self._order = itertools.count()
         self.samples: list[list[int]] = []     # in-flight per replica, every TICK_S
@@ -93,6 +94,10 @@ class Simulation:
     def tick(self, end: float) -> None:
         self.samples.append([r.in_flight for r in self.replicas])
         self.router.tick(self.now)
+        for replica, adapter in getattr(self.router, "prefetch_targets", lambda now: [])(self.now):
+            load = replica.prefetch(adapter)
+            if load is not None:
+                self.start_load(replica, load)
         if self.now < end or any(r.in_flight for r in self.replicas):
             self.at(self.now + TICK_S, self.tick, end)
 
@@ -195,10 +200,11 @@ def metrics(sim: Simulation, requests: list[SimRequest], phase: Phase) -> dict:
 
 
 def simulate(scenario: Scenario, costs: StepCosts, router: str, phase: Phase, seed: int = 0,
-             single_adapter: bool = False) -> dict:
+             single_adapter: bool = False, options: tuple = ()) -> dict:
+    """options: (name, value) pairs for our router (AffinityPolicy's knobs, prefetch_fill)."""
     requests = requests_for(scenario, phase, seed, single_adapter)
     started = time.process_time()
-    sim = Simulation(scenario, costs, router, seed)
+    sim = Simulation(scenario, costs, router, seed, options if router == "adapter-affinity" else ())
     sim.run(requests)
     result = metrics(sim, requests, phase)
     result["cpu_s"] = time.process_time() - started

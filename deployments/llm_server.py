@@ -284,7 +284,9 @@ class LLMServer(ReplicaAdapters):
         """What the request router reads (deployments/routing/router.py), every routing_stats_period_s."""
         engine = await self.engine.stats()
         lora = engine.get("lora", {})
-        return {"capacity": self.config.engine.max_num_seqs, "load": engine["running"] + engine["waiting"],
+        engine_config = self.config.engine
+        return {"capacity": engine_config.max_num_seqs, "lora_budget": engine_config.max_loras_per_batch,
+                "load": engine["running"] + engine["waiting"],
                 **lora.get("residency", {}), "requests": lora.get("requests", {})}
 
     async def is_healthy(self) -> bool:

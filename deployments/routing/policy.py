@@ -48,6 +48,8 @@ class ReplicaView:
     host: frozenset[str] = frozenset()             # adapters in host memory
     loading: frozenset[str] = frozenset()          # adapters being read from disk
     evicts_next: str | None = None                 # what a cold load evicts now (its host cache is full)
+    lora_budget: int | None = None                 # distinct adapters its steps take (max_loras_per_batch)
+    active: dict[str, int] = field(default_factory=dict)   # adapter -> requests this router has in flight there
     sent_cold: dict[str, float] = field(default_factory=dict)   # adapter -> when sent cold, until reported
     tokens: float = 0.0                            # cold-load budget left
     refilled: float = 0.0                          # when tokens were last refilled
@@ -78,17 +80,20 @@ def rendezvous_score(adapter: str, replica_id: str) -> int:
 
 
 class AffinityPolicy:
-    def __init__(self, *, home_share: float = 0.5, load_factor: float = 1.25, min_spill_load: int = 2,
+    def __init__(self, *, home_share: float = 0.5, load_factor: float = 1.05, cold_spill_factor: float = 1.15,
+                 min_spill_load: int = 2,
                  max_home: int | None = None, cooldown_s: float = 30.0, demand_half_life_s: float = 10.0,
                  cold_loads_per_s: float = 2.0, cold_burst: float = 4.0, sent_cold_ttl_s: float = 5.0,
                  clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None):
         if not 0 < home_share <= 1:
             raise ValueError(f"home_share must be in (0, 1], got {home_share!r}")
-        if load_factor < 1:
-            raise ValueError(f"load_factor must be >= 1, got {load_factor!r}")
+        if not 1 <= load_factor <= cold_spill_factor:
+            raise ValueError(f"need 1 <= load_factor <= cold_spill_factor, got {load_factor!r} and "
+                             f"{cold_spill_factor!r}")
         if max_home is not None and max_home < 1:
             raise ValueError(f"max_home must be >= 1 or None, got {max_home!r}")
-        self.home_share, self.load_factor, self.min_spill_load = home_share, load_factor, min_spill_load
+        self.home_share, self.min_spill_load = home_share, min_spill_load
+        self.load_factor, self.cold_spill_factor = load_factor, cold_spill_factor
         self.max_home, self.cooldown_s, self.half_life_s = max_home, cooldown_s, demand_half_life_s
         self.cold_rate, self.cold_burst, self.sent_cold_ttl_s = cold_loads_per_s, cold_burst, sent_cold_ttl_s
         self.clock, self.rng = clock, rng or random.Random()
@@ -113,7 +118,7 @@ class AffinityPolicy:
 
     def report(self, replica_id: str, *, capacity: int | None = None, load: float | None = None,
                device: Iterable[str] = (), host: Iterable[str] = (), loading: Iterable[str] = (),
-               evicts_next: str | None = None) -> None:
+               evicts_next: str | None = None, lora_budget: int | None = None) -> None:
         """A replica's routing stats. Adapters it now reports resident are no longer 'sent cold'."""
         view = self.replicas.get(replica_id)
         if view is None:
@@ -122,6 +127,7 @@ class AffinityPolicy:
         view.load = float(load) if load is not None else view.load
         view.device, view.host, view.loading = frozenset(device), frozenset(host), frozenset(loading)
         view.evicts_next = evicts_next
+        view.lora_budget = lora_budget if lora_budget else view.lora_budget
         now = self.clock()
         view.sent_cold = {a: t for a, t in view.sent_cold.items()
                           if a not in view.device and a not in view.host and a not in view.loading
@@ -142,29 +148,41 @@ class AffinityPolicy:
             return sorted(loads, key=lambda r: (loads[r], self.rng.random()))
         now = self.clock()
         order = self.order(adapter)
-        home = order[:self.home_size(adapter, now)]
-        bound = max(self.min_spill_load, math.ceil(self.load_factor * (sum(loads.values()) + 1) / len(loads)))
-        open_home = sorted((r for r in home if loads[r] < bound), key=lambda r: self._cost(adapter, r, loads))
-        spill = self._spill_order(adapter, [r for r in order[len(home):] if loads[r] < bound], now)
+        k = self.home_size(adapter, now)
+        home, home_set = order[:k], set(order[:k])
+        mean = (sum(loads.values()) + 1) / len(loads)
+        bound = max(self.min_spill_load, math.ceil(self.load_factor * mean))
+        cold_bound = max(bound, math.ceil(self.cold_spill_factor * mean))
+
+        def warm(r: str) -> bool:
+            return self.replicas[r].residency(adapter) != "cold"
+
+        def cost(r: str) -> float:
+            return loads[r] + RESIDENCY_COST[self.replicas[r].residency(adapter)]
+        open_home = sorted((r for r in home if loads[r] < bound), key=cost)
+        warm_spill = [r for r in order[k:] if loads[r] < bound and warm(r)]
+        # past `bound` a home takes more before the request spills to a replica that must read the adapter cold
+        stretched = sorted((r for r in home if bound <= loads[r] < cold_bound), key=cost)
+        cold_spill = self._cold_order([r for r in order[k:] if loads[r] < bound and not warm(r)], now)
         if open_home and not self._may_serve(adapter, open_home[0], now):   # out of cold budget: a copy first
-            copies = [r for r in spill if self.replicas[r].residency(adapter) != "cold"]
-            spill = [r for r in spill if r not in copies]
-            open_home = copies + open_home
-        ranked = open_home + spill
+            open_home, warm_spill = warm_spill + open_home, []
+        # A replica whose steps already hold its LoRA budget of other adapters queues the request until a whole
+        # generation ends there: another copy that admits it now goes first (order kept otherwise); a cold
+        # replica does not (its read, and the copy it evicts, cost more than the wait on average)
+        ranked = sorted(open_home + warm_spill + stretched + cold_spill, key=lambda r: 0 if self._admits_now(
+            adapter, r) and (r in home_set or warm(r)) else 1 if r in home_set else 2)
         chosen = set(ranked)
-        rest = sorted((r for r in order if r not in chosen), key=lambda r: loads[r])
-        return ranked + rest
+        return ranked + sorted((r for r in order if r not in chosen), key=lambda r: loads[r])
 
-    def _cost(self, adapter: str, replica_id: str, loads: dict[str, float]) -> float:
-        return loads[replica_id] + RESIDENCY_COST[self.replicas[replica_id].residency(adapter)]
+    def _admits_now(self, adapter: str, replica_id: str) -> bool:
+        view = self.replicas[replica_id]
+        return view.lora_budget is None or adapter in view.active or len(view.active) < view.lora_budget
 
-    def _spill_order(self, adapter: str, spill: list[str], now: float) -> list[str]:
-        """Spill candidates in hash order: those holding the adapter first, then those that may load it cold,
-        then those that may not (no cold-load token left, or the load would evict a last copy)."""
-        resident = [r for r in spill if self.replicas[r].residency(adapter) != "cold"]
-        cold = [r for r in spill if self.replicas[r].residency(adapter) == "cold"]
+    def _cold_order(self, cold: list[str], now: float) -> list[str]:
+        """Cold spill candidates in hash order, those that may not load cold now (no cold-load token left, or the
+        load would evict a last copy) behind the others."""
         allowed = [r for r in cold if self._may_load_cold(r, now)]
-        return resident + allowed + [r for r in cold if r not in allowed]
+        return allowed + [r for r in cold if r not in allowed]
 
     def _may_serve(self, adapter: str, replica_id: str, now: float) -> bool:
         return self.replicas[replica_id].residency(adapter) != "cold" or self._may_load_cold(replica_id, now)
@@ -230,6 +248,7 @@ class AffinityPolicy:
         d.in_flight += 1
         self._demand_now(adapter, now)
         view = self.replicas[replica_id]
+        view.active[adapter] = view.active.get(adapter, 0) + 1
         if view.residency(adapter) == "cold":
             self._refill(view, now)
             view.tokens -= 1          # may go negative: a request is never refused, the debt delays others
@@ -238,6 +257,11 @@ class AffinityPolicy:
     def completed(self, adapter: str | None, replica_id: str) -> None:
         if replica_id in self.in_flight:
             self.in_flight[replica_id] = max(0, self.in_flight[replica_id] - 1)
+        view = self.replicas.get(replica_id)
+        if view is not None and adapter in view.active:
+            view.active[adapter] -= 1
+            if not view.active[adapter]:
+                del view.active[adapter]
         d = self.demand.get(adapter) if adapter is not None else None
         if d is not None:
             self._demand_now(adapter)   # the peak keeps what it was before this request ended
