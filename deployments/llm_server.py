@@ -27,7 +27,8 @@ from deployments.loopback import bind_replica_grpc_to_node_ip
 from deployments.metrics import ServerMetrics
 from deployments.replica_adapters import ReplicaAdapters
 from deployments.routing.prefetch import HomePrefetcher
-from deployments.render import RenderedChoices, RenderSpec, StreamRenderer, render_choices
+from deployments.render import RenderedChoices, RenderSpec
+from deployments.responses_render import RenderedResponse, ResponsesSpec
 from deployments.served_output import ServedOutput
 from deployments.stream_batch import batched
 from deployments.vllm_metrics import RequestTimer
@@ -135,24 +136,25 @@ class LLMServer(ReplicaAdapters):
                 yield item
 
     # ---- OpenAI responses, rendered here ------------------------------------------------------------
-    async def render_choices(self, prompt: Prompt | None, sampling_params: dict, spec: RenderSpec, *,
-                             messages: list[dict] | None = None, n: int = 1, best_of: int | None = None,
+    async def render_choices(self, prompt: Prompt | None, sampling_params: dict, spec: RenderSpec | ResponsesSpec,
+                             *, messages: list[dict] | None = None, n: int = 1, best_of: int | None = None,
                              tools: list[dict] | None = None,
-                             chat_template_kwargs: dict | None = None) -> RenderedChoices:
-        """A whole answer's choices for one prompt, as JSON (render.join_body makes the body)."""
+                             chat_template_kwargs: dict | None = None) -> RenderedChoices | RenderedResponse:
+        """A whole answer's choices for one prompt, as JSON (render.join_body makes the body); a Responses
+        request's whole body."""
         outs = await self.generate_choices(prompt, sampling_params, messages=messages, n=n, best_of=best_of,
                                            echo=spec.echo, names=spec.logprobs, tools=tools,
                                            chat_template_kwargs=chat_template_kwargs)
-        return render_choices(outs, spec, self.replica_id, self._think)
+        return spec.render(outs, self.replica_id, self._think)
 
-    async def render_stream(self, prompt: Prompt | None, sampling_params: dict, spec: RenderSpec, *,
+    async def render_stream(self, prompt: Prompt | None, sampling_params: dict, spec: RenderSpec | ResponsesSpec, *,
                             messages: list[dict] | None = None, n: int = 1,
                             tools: list[dict] | None = None,
                             chat_template_kwargs: dict | None = None) -> AsyncIterator[str | tuple[str, str]]:
         """A streamed answer's SSE events (usage chunk and [DONE] included), joined per step window. The
         first item is (replica id, events): it comes once the request is accepted, so a refused one raises
         before it; an error after it is raised after the events before it (the ingress reports it in-band)."""
-        renderer = StreamRenderer(spec, self._think)
+        renderer = spec.stream_renderer(self._think)
 
         async def events() -> AsyncIterator[str]:
             async with aclosing(self.generate_stream(prompt, sampling_params, messages=messages, n=n,

@@ -34,6 +34,7 @@ from deployments.http_edge import Body, check_api_key, install_error_handlers, r
 from deployments.loopback import bind_replica_grpc_to_node_ip
 from deployments.metrics import render_prometheus
 from deployments.render import DONE, RenderSpec, join_body
+from deployments.responses_api import ResponsesRequest
 from deployments.vllm_metrics import render_vllm
 from lora.names import ADAPTER_NAME, check_adapter_name
 from workers.errors import EngineDeadError
@@ -146,6 +147,25 @@ class OpenAIIngress:
         except Exception as exc:  # noqa: BLE001
             return self._error(exc, request)
         return self._body(spec, [part])
+
+    @app.post("/v1/responses")
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API, served as the chat completion it means (deployments/responses_api.py); the
+        replica renders the Responses output and events (deployments/responses_render.py)."""
+        try:
+            body = await self._read(request, ResponsesRequest)
+            chat = body.chat_request()
+            adapter = self._adapter_of(body.model)
+            params, spec = chat.sampling_params(None), body.render_spec(chat)
+            options = dict(messages=chat.chat_messages(), tools=chat.template_tools(),
+                           chat_template_kwargs=chat.template_kwargs())
+            if body.stream:
+                return await self._relay(self._handle(adapter, stream=True).render_stream.remote(
+                    None, params, spec, **options), request)
+            rendered = await self._handle(adapter).render_choices.remote(None, params, spec, **options)
+        except Exception as exc:  # noqa: BLE001
+            return self._error(exc, request)
+        return Response(rendered.body, media_type="application/json", headers={REPLICA_HEADER: rendered.replica_id})
 
     @staticmethod
     def _body(spec: RenderSpec, parts: list) -> Response:

@@ -52,6 +52,13 @@ class RenderSpec:
     def new_id(self) -> str:
         return rs.new_id("chatcmpl" if self.chat else "cmpl")   # not the request id: that names the helper
 
+    # LLMServer renders through its spec: a Responses request's (deployments/responses_render.py) has the same two
+    def stream_renderer(self, think: ThinkTokens | None) -> StreamRenderer:
+        return StreamRenderer(self, think)
+
+    def render(self, outs: list, replica_id: str, think: ThinkTokens | None) -> RenderedChoices:
+        return render_choices(outs, self, replica_id, think)
+
 
 @dataclasses.dataclass(frozen=True)
 class RenderedChoices:
