@@ -213,11 +213,15 @@ class ResponsesRequest(SamplingFields):
         """The chat completion this request asks for (validated by the chat route's own model)."""
         sampling = {name: value for name, value in self.model_dump(include=set(SAMPLING_FIELDS),
                                                                      exclude_unset=True).items() if value is not None}
+        # A forced call (required or named) leaves no message for text.format to shape: only the call is constrained
+        # (the Agents SDK sends its output_type's format with the tool_choice of every turn).
+        forced = bool(self.tools) and (self.tool_choice == "required" or isinstance(self.tool_choice, FunctionChoice))
+        text_format = self.text.format if self.text and self.text.format and not forced else None
         fields = dict(model=self.model, messages=self.chat_messages(), tool_choice=self._chat_tool_choice(),
                       parallel_tool_calls=self.parallel_tool_calls, max_completion_tokens=self.max_output_tokens,
                       logit_bias=self.logit_bias, tools=[t.chat_tool() for t in self.tools] if self.tools else None,
                       reasoning_effort=self.reasoning.effort if self.reasoning else None,
-                      response_format=self.text.format.response_format() if self.text and self.text.format else None)
+                      response_format=text_format.response_format() if text_format else None)
         return ChatCompletionRequest.model_validate({**sampling, **fields})
 
     def _chat_tool_choice(self) -> str | dict | None:

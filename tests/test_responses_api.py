@@ -88,6 +88,10 @@ def test_tools_tool_choice_and_text_format_constrain_as_chat_completions_do():
     text = {"format": {"type": "json_schema", "name": "answer", "schema": schema}}
     chat = request(input="Hi", text=text).chat_request()
     assert chat.sampling_params(None)["structured"].kind == "json_schema"
+    forced = request(input="Hi", text=text, tools=[WEATHER], tool_choice="required").chat_request()
+    assert forced.sampling_params(None)["structured"].kind == "tool_calls"   # no message left for text.format
+    auto = request(input="Hi", text=text, tools=[WEATHER], tool_choice="auto").chat_request()
+    assert auto.sampling_params(None)["structured"].kind == "json_schema" and auto.template_tools()
     assert request(input="Hi", tools=[WEATHER], tool_choice="none").chat_request().template_tools() is None
     spec = request(input="Hi", tools=[WEATHER], tool_choice="required", include=[], user="u").render_spec(
         request(input="Hi", tools=[WEATHER], tool_choice="required").chat_request())
