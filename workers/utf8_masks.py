@@ -12,7 +12,6 @@ correct grammar left open.
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 # Decoder states: GROUND (between characters), then how many continuation bytes remain and, after the four lead
 # bytes whose second byte is narrower (E0, ED, F0, F4), that second byte's range.
@@ -61,4 +60,5 @@ class Utf8Masks:
         allowed = np.zeros((NUM_STATES, width * 32), dtype=np.uint32)
         allowed[:, :vocab_size] = state != ERROR
         words = (allowed.reshape(NUM_STATES, width, 32) << np.arange(32, dtype=np.uint32)).sum(-1, dtype=np.uint32)
+        import torch   # here: the replica's front and the ingress import this module's constants, never torch
         self.bitmask = torch.from_numpy(words.view(np.int32))
