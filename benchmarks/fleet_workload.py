@@ -140,10 +140,18 @@ class FleetSpec:
     num_adapters: int = 200
     adapter_rank: int = 8
     max_num_seqs: int = 16
-    max_loaded_loras: int = 32          # host cache per replica: 4 x 32 < 200 adapters, so placement matters
+    max_loras_per_batch: int = 4        # distinct adapters per engine step (the engine's default)
+    # host cache per replica: 4 x 48 < 200 adapters, so placement matters (one replica holds a quarter of them);
+    # at 32 even an ideal one-home-per-adapter LRU tops out near 0.87 at Zipf 1.0 (benchmarks/RESULTS.md, fleet)
+    max_loaded_loras: int = 48
     max_ongoing_requests: int = 32
-    rate: float = 3.0                   # requests per second over the fleet (what 2 cores serve on the demo model)
+    rate: float = 16.0                  # requests per second over the fleet: busy, not overloaded, on 2 shared cores
+                                        # (20 req/s: TTFT p99 ~0.3 s, steady; benchmarks/RESULTS.md, fleet)
     duration_s: float = 60.0            # per phase
+    # before each phase: every adapter once, then this many draws per adapter of the phase's popularity, 8 prompt and
+    # 2 output tokens each, at warmup_rate: a short run measures the fleet's steady state, not first-touch misses
+    warmup_draws_per_adapter: int = 2
+    warmup_rate: float = 30.0
 
 
 FLEET = FleetSpec()

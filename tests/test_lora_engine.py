@@ -146,6 +146,25 @@ def test_pinned_adapter_keeps_host_memory_and_slot(model, adapters):
     assert engine.stats()["lora"]["host_cache"]["evictions"] > 0
 
 
+def test_counts_whether_each_request_found_its_adapter_in_host_memory(model, adapters):
+    """The fleet benchmark's host-cache hit rate, per request at its arrival (the cache's own hits count every
+    step a waiting request asks), and distinct adapters summed over steps."""
+    engine = engine_with(model, {name: adapters[name] for name in "ABC"}, max_loras_per_batch=2,
+                         max_loaded_loras=2)   # A, the first loaded, was evicted by C
+
+    def counts():
+        return engine.stats()["lora"]["counts"]
+
+    run(engine, ["A"])
+    assert (counts()["arrived_resident"], counts()["arrived_not_resident"]) == (0, 1)
+    before = counts()
+    run(engine, ["A", "C"])                    # both in host memory now (B was evicted for A)
+    after = counts()
+    assert (after["arrived_resident"], after["arrived_not_resident"]) == (2, 1)
+    steps, distinct = after["steps"] - before["steps"], after["step_adapters"] - before["step_adapters"]
+    assert steps < distinct <= 2 * steps       # one step at least ran both adapters
+
+
 def test_reloading_a_name_with_a_new_source(model, adapters, tmp_path):
     engine = engine_with(model, {"A": adapters["A"]})
     before = run(engine, ["A"])[0]

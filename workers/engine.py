@@ -69,6 +69,9 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._states: dict[str, RequestState] = {}   # requests added with detokenize=True
         self.last_step = (0, 0)   # (decode tokens, prefill tokens) of the last step that ran: benchmarks, stats
+        # Requests whose adapter was in host memory when they arrived (the host-cache hit rate per request; the
+        # cache's own hits count every step a waiting request asks), and distinct adapters summed over steps
+        self.adapter_counts = dict(arrived_resident=0, arrived_not_resident=0, steps=0, step_adapters=0)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -173,6 +176,9 @@ class LLMEngine:
         if detokenize:
             self._states[seq.request_id] = RequestState(seq.request_id, seq.prompt_token_ids, seq.params,
                                                         self.tokenizer, seq.adapter)
+        if seq.adapter is not None:
+            resident = self.adapters.cache.is_resident(self.adapters.current_key(seq.adapter))
+            self.adapter_counts["arrived_resident" if resident else "arrived_not_resident"] += 1
         self.controller.add(seq)
         return seq.request_id
 
@@ -203,6 +209,8 @@ class LLMEngine:
                     self._seqs.pop(seq.request_id, None)
                 raise
             touched = touched + self.controller.complete(items, out)
+            self.adapter_counts["steps"] += 1
+            self.adapter_counts["step_adapters"] += len({seq.adapter_key for seq, _ in items if seq.adapter_key})
             touched, self.controller.errored = touched + self.controller.errored, []   # e.g. an adapter failed
         for seq in touched:
             if seq.is_finished:
@@ -282,6 +290,7 @@ class LLMEngine:
         if self.adapters:
             out["lora"] = self.adapters.stats()
             out["lora"]["residency"] = self.adapters.residency()
+            out["lora"]["counts"] = dict(self.adapter_counts)
             out["lora"]["requests"] = {"running": _count_by_adapter(c.running),
                                        "waiting": _count_by_adapter(c.waiting)}
         return out
