@@ -33,6 +33,14 @@ def homes(p: AffinityPolicy) -> dict[str, str]:
     return {a: p.rank(a)[0] for a in ADAPTERS}
 
 
+def test_an_adapter_that_is_most_of_a_light_load_spreads_over_every_replica():
+    p, _ = policy(replicas=4, capacity=16)
+    for _ in range(3):                                   # 3 of the fleet's 3 requests: a fair share is 1
+        p.routed("top", p.rank("top")[0])
+    assert p.home_size("top") == 4
+    assert p.home_size("tail") == 1
+
+
 def test_homes_partition_the_adapters_and_move_only_the_share_of_a_replica_that_comes_or_goes():
     p, _ = policy(replicas=8)
     before = homes(p)
@@ -84,10 +92,13 @@ def test_rank_lists_every_replica_so_a_request_is_never_refused():
 
 
 def test_home_set_grows_with_demand_and_shrinks_one_step_per_cool_down():
+    """At full load an adapter with 13 requests in flight needs 4 replicas at half of a replica's capacity each."""
     p, clock = policy(replicas=8, capacity=8, home_share=0.5, cooldown_s=30, demand_half_life_s=5)
+    for r in p.replicas:
+        p.report(r, capacity=8, load=8)      # other adapters keep every replica at its capacity
     adapter = "busy"
     assert p.home_size(adapter) == 1
-    for _ in range(13):                      # 13 in flight, 4 per replica at home_share 0.5 x capacity 8
+    for _ in range(13):                      # 13 in flight, 4 per replica at home_share 0.5 x min(capacity, load)
         p.routed(adapter, p.rank(adapter)[0])
     assert p.home_size(adapter) == 4
     in_flight = dict(p.in_flight)

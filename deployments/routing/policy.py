@@ -81,7 +81,7 @@ def rendezvous_score(adapter: str, replica_id: str) -> int:
 
 class AffinityPolicy:
     def __init__(self, *, home_share: float = 0.5, load_factor: float = 1.05, cold_spill_factor: float = 1.15,
-                 min_spill_load: int = 2,
+                 min_spill_load: int | None = None,
                  max_home: int | None = None, cooldown_s: float = 30.0, demand_half_life_s: float = 10.0,
                  cold_loads_per_s: float = 2.0, cold_burst: float = 4.0, sent_cold_ttl_s: float = 5.0,
                  clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None):
@@ -148,10 +148,10 @@ class AffinityPolicy:
             return sorted(loads, key=lambda r: (loads[r], self.rng.random()))
         now = self.clock()
         order = self.order(adapter)
-        k = self.home_size(adapter, now)
-        home, home_set = order[:k], set(order[:k])
         mean = (sum(loads.values()) + 1) / len(loads)
-        bound = max(self.min_spill_load, math.ceil(self.load_factor * mean))
+        k = self.home_size(adapter, now, mean)
+        home, home_set = order[:k], set(order[:k])
+        bound = max(self._spill_floor(), math.ceil(self.load_factor * mean))
         cold_bound = max(bound, math.ceil(self.cold_spill_factor * mean))
 
         def warm(r: str) -> bool:
@@ -213,12 +213,24 @@ class AffinityPolicy:
             self._orders[adapter] = order
         return order
 
-    def home_size(self, adapter: str, now: float | None = None) -> int:
+    def _capacity(self) -> float:
+        return sum(v.capacity for v in self.replicas.values()) / len(self.replicas)
+
+    def _spill_floor(self) -> int:
+        """Below this a home never spills: a step's cost hardly grows with its first few sequences, and a spill
+        of a rarely used adapter is a cold read and a second copy (default: a quarter of a replica's capacity)."""
+        return self.min_spill_load if self.min_spill_load is not None else max(1, math.ceil(self._capacity() / 4))
+
+    def home_size(self, adapter: str, now: float | None = None, mean_load: float | None = None) -> int:
+        """An adapter's home grows to carry its demand at `home_share` of a replica's fair share of the load (the
+        mean load, at most the replica's capacity): a hot adapter spreads at any load, the tail stays at home."""
         now = self.clock() if now is None else now
         d = self.demand.setdefault(adapter, Demand(seen=now, needed_since=now))
-        capacity = sum(v.capacity for v in self.replicas.values()) / len(self.replicas)
+        if mean_load is None:
+            mean_load = (sum(self.load(r) for r in self.replicas) + 1) / len(self.replicas)
+        share = self.home_share * min(self._capacity(), max(1.0, mean_load))
         limit = min(self.max_home or len(self.replicas), len(self.replicas))
-        needed = min(limit, max(1, math.ceil(self._demand_now(adapter, now) / (self.home_share * capacity))))
+        needed = min(limit, max(1, math.ceil(self._demand_now(adapter, now) / share)))
         if needed >= d.home:
             d.home, d.needed_since = needed, now
         elif now - d.needed_since >= self.cooldown_s:   # one step per cool-down: no flapping
