@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from ray.serve.metrics import Counter, Gauge, Histogram
 
-from deployments.vllm_metrics import RequestTimer, VLLMMetrics, label_set
+from deployments.vllm_metrics import RequestTimer, VLLMMetrics, label_set, stat_at
 from workers.sequence import RequestOutput
 
 LOAD_SECONDS_BUCKETS = [0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0]
@@ -37,14 +37,6 @@ ENGINE_GAUGES = [
     (("lora", "host_cache", "referenced"), "lora_host_cache_referenced"),
     (("prefix_cache", "cached_blocks"), "prefix_cache_blocks"),
 ]
-
-
-def _get(stats: dict, path: tuple[str, ...]):
-    for key in path:
-        if not isinstance(stats, dict) or key not in stats:
-            return None
-        stats = stats[key]
-    return stats
 
 
 class ServerMetrics:
@@ -102,7 +94,7 @@ class ServerMetrics:
     def record_engine(self, stats: dict) -> None:
         """Engine stats are cumulative: counters advance by the difference since the last call."""
         for path, name in ENGINE_COUNTERS:
-            value = _get(stats, path)
+            value = stat_at(stats, path)
             if value is None:
                 continue
             key = f"{name}_total"
@@ -111,7 +103,7 @@ class ServerMetrics:
                 self._engine_counters[name].inc(delta)
             self._totals[key] = value
         for path, name in ENGINE_GAUGES:
-            value = _get(stats, path)
+            value = stat_at(stats, path)
             if value is not None:
                 self._engine_gauges[name].set(value)
                 self._totals[name] = value

@@ -141,8 +141,7 @@ class OpenAIIngress:
             options = dict(messages=body.chat_messages(), n=body.n, tools=body.template_tools(),
                            chat_template_kwargs=body.template_kwargs())
             if body.stream:
-                return await self._relay(self._handle(adapter, stream=True).render_stream.remote(
-                    None, params, spec, **options), request)
+                return await self._chat_stream(adapter, params, spec, options, request)
             part = await self._handle(adapter).render_choices.remote(None, params, spec, **options)
         except Exception as exc:  # noqa: BLE001
             return self._error(exc, request)
@@ -160,8 +159,7 @@ class OpenAIIngress:
             options = dict(messages=chat.chat_messages(), tools=chat.template_tools(),
                            chat_template_kwargs=chat.template_kwargs())
             if body.stream:
-                return await self._relay(self._handle(adapter, stream=True).render_stream.remote(
-                    None, params, spec, **options), request)
+                return await self._chat_stream(adapter, params, spec, options, request)
             rendered = await self._handle(adapter).render_choices.remote(None, params, spec, **options)
         except Exception as exc:  # noqa: BLE001
             return self._error(exc, request)
@@ -171,6 +169,12 @@ class OpenAIIngress:
     def _body(spec: RenderSpec, parts: list) -> Response:
         return Response(join_body(spec, parts), media_type="application/json",
                         headers={REPLICA_HEADER: parts[-1].replica_id})
+
+    async def _chat_stream(self, adapter: str | None, params: dict, spec, options: dict,
+                           request: Request) -> Response:
+        """A chat-shaped request's stream (chat completions, Responses): the replica renders `spec`'s events."""
+        return await self._relay(self._handle(adapter, stream=True).render_stream.remote(
+            None, params, spec, **options), request)
 
     async def _relay(self, batches, request: Request) -> Response:
         """The replica's rendered SSE events, as they come."""

@@ -74,7 +74,8 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
         scale *= 10
 
 
-def _get(stats: dict, path: tuple[str, ...]):
+def stat_at(stats: dict, path: tuple[str, ...]):
+    """stats[path[0]][path[1]]..., None where a key is missing."""
     for key in path:
         if not isinstance(stats, dict) or key not in stats:
             return None
@@ -195,10 +196,10 @@ class VLLMMetrics:
                             ("kv_cache_usage_perc", used / total if total else 0.0)):
             self._ray_gauges[name].set(value)
         for path, name in ENGINE_COUNTERS:
-            value = _get(stats, path)
+            value = stat_at(stats, path)
             if value is not None:
                 self._count(name, value - self.counters[name])
-        requests = _get(stats, ("lora", "requests"))
+        requests = stat_at(stats, ("lora", "requests"))
         if requests is not None:
             self._record_lora_info(",".join(sorted(requests.get("running", {}))),
                                    ",".join(sorted(requests.get("waiting", {}))))
