@@ -33,12 +33,13 @@ def homes(p: AffinityPolicy) -> dict[str, str]:
     return {a: p.rank(a)[0] for a in ADAPTERS}
 
 
-def test_an_adapter_that_is_most_of_a_light_load_spreads_over_every_replica():
-    p, _ = policy(replicas=4, capacity=16)
-    for _ in range(3):                                   # 3 of the fleet's 3 requests: a fair share is 1
+def test_at_a_light_load_only_an_adapter_past_the_spill_floor_gets_a_second_home():
+    p, _ = policy(replicas=4, capacity=16)             # spill floor: a quarter of 16
+    p.routed("tail", p.rank("tail")[0])
+    for _ in range(5):                                   # 5 of the fleet's 6 requests
         p.routed("top", p.rank("top")[0])
-    assert p.home_size("top") == 4
-    assert p.home_size("tail") == 1
+    assert p.home_size("tail") == 1                      # one request in flight: no reason for a second home
+    assert p.home_size("top") == 3                       # 5 at half of the floor (4) each
 
 
 def test_homes_partition_the_adapters_and_move_only_the_share_of_a_replica_that_comes_or_goes():
