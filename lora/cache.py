@@ -13,7 +13,7 @@ import itertools
 import concurrent.futures
 import threading
 import time
-from typing import Callable
+from typing import Callable, Collection
 
 from lora.adapter import LoRAAdapter
 from lora.errors import AdapterError, AdapterLoadTimeoutError, AdapterNotFoundError
@@ -180,13 +180,21 @@ class HostAdapterCache:
         self._submit(name, source, token)
         return False
 
-    def prefetch(self, name: str) -> bool:
+    def prefetch(self, name: str, victims: Collection[str] = ()) -> bool:
         """Start a background load of a registered adapter neither resident nor loading; True if one started.
-        No request asked for it, so it counts no miss."""
+        No request asked for it, so it counts no miss. With the cache full it first evicts the least recently
+        used of `victims` that nothing holds, and starts nothing if there is none: it never evicts another."""
         with self._lock:
             source = self._sources.get(name)
             if source is None or name in self._resident or name in self._loading:
                 return False
+            if len(self._resident) + len(self._loading) >= self.capacity:
+                victim = next((n for n in self._resident if n in victims and n not in self._pinned
+                               and self._refs.get(n, 0) == 0), None)
+                if victim is None:
+                    return False
+                del self._resident[victim]
+                self._counts["evictions"] += 1
             token = object()
             self._loading[name] = (token, time.monotonic())
         self._submit(name, source, token)

@@ -1,5 +1,5 @@
 """Home prefetch (deployments/routing/prefetch.py), no Ray: a replica reads into host memory the adapters it heads
-the rendezvous order of, on a real engine, only into room left in its cache, counting no cache miss."""
+the rendezvous order of, on a real engine, making room only from other replicas' adapters, counting no miss."""
 from __future__ import annotations
 
 import asyncio
@@ -64,30 +64,29 @@ def test_a_replica_reads_its_home_adapters_and_no_others(sources):
         engine.close()
 
 
-def test_prefetch_fills_only_room_and_counts_no_miss(sources):
+def test_prefetch_replaces_only_other_replicas_adapters_and_counts_no_miss(sources):
     model, paths = sources
     homes = sorted(a for a in NAMES if home_of(a, LIVE) == ME)
-    others = [a for a in NAMES if a not in homes]
     engine = engine_with(model, capacity=4)
     try:
         async def scenario():
             for name in NAMES:                     # the last four read stay; the others were evicted
                 await engine.load_adapter(name, paths[name])
             registered = dict(paths)
-            p = prefetcher(engine, paths, registered, capacity=4)
-            assert await p.step() == []            # full: prefetch never evicts
-            for name in others:                    # room frees up
-                await engine.unload_adapter(name)
-                registered.pop(name)
-            before = (await engine.stats())["lora"]["host_cache"]["misses"]
             held = await host(engine)
-            started = await p.step()
+            assert held - set(homes)                # some of another replica's adapters hold the cache
+            p = prefetcher(engine, paths, registered, capacity=4)
+            before = (await engine.stats())["lora"]["host_cache"]
+            started = await p.step()                # full: only those others make room, least recently used first
             assert sorted(started) == sorted(set(homes[:4]) - held)
             deadline = time.monotonic() + 10
             while not set(homes[:4]) <= await host(engine):
                 assert time.monotonic() < deadline, "prefetched adapters never became resident"
                 await asyncio.sleep(0.05)
-            assert (await engine.stats())["lora"]["host_cache"]["misses"] == before
+            after = (await engine.stats())["lora"]["host_cache"]
+            assert after["misses"] == before["misses"]
+            assert await p.step() == []             # every home held: nothing more, nothing evicted
+            assert (await engine.stats())["lora"]["host_cache"]["evictions"] == after["evictions"]
         asyncio.run(scenario())
     finally:
         engine.close()

@@ -208,13 +208,15 @@ class AdapterManager:
                 "expert_slots": self.expert_slots.stats(),
                 "versions": {name: self._versions[key] for name, key in self._current.items()}}
 
-    def prefetch(self, names: list[str]) -> list[str]:
+    def prefetch(self, names: list[str], replace: list[str] = ()) -> list[str]:
         """Background loads into host memory of the current versions of `names` not resident (unknown names are
-        skipped: the registry may know an adapter this engine has not registered yet)."""
+        skipped: the registry may know an adapter this engine has not registered yet). A full cache makes room
+        only by evicting the least recently used of `replace` that nothing holds."""
+        victims = {self._current[name] for name in replace if name in self._current}
         started = []
         for name in names:
             key = self._current.get(name)
-            if key is not None and self.cache.prefetch(key):
+            if key is not None and self.cache.prefetch(key, victims):
                 started.append(name)
         return started
 

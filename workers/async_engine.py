@@ -168,8 +168,8 @@ class AsyncLLMEngine:
     async def list_adapters(self) -> dict[str, str]:
         return await self._call(self.engine.list_adapters)
 
-    async def prefetch_adapters(self, names: list[str]) -> list[str]:
-        return await self._call(self.engine.prefetch_adapters, names)
+    async def prefetch_adapters(self, names: list[str], replace: list[str] = ()) -> list[str]:
+        return await self._call(self.engine.prefetch_adapters, names, replace)
 
     async def stats(self) -> dict:
         return await self._call(self.engine.stats)

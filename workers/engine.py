@@ -277,10 +277,10 @@ class LLMEngine:
     def list_adapters(self) -> dict[str, str]:
         return self._need_lora().list() if self.adapters else {}
 
-    def prefetch_adapters(self, names: list[str]) -> list[str]:
+    def prefetch_adapters(self, names: list[str], replace: list[str] = ()) -> list[str]:
         """Start reading these registered adapters into host memory (background loads, as a request's would);
-        returns those started. The caller keeps within the cache's room: a load past it evicts the LRU one."""
-        return self._need_lora().prefetch(names) if self.adapters else []
+        returns those started. A full cache makes room only by evicting one of `replace` (AdapterManager)."""
+        return self._need_lora().prefetch(names, replace) if self.adapters else []
 
     def stats(self) -> dict:
         c = self.controller

@@ -130,8 +130,8 @@ class EngineProcess(AsyncLLMEngine):
     async def list_adapters(self) -> dict[str, str]:
         return await self._remote("list_adapters")
 
-    async def prefetch_adapters(self, names: list[str]) -> list[str]:
-        return await self._remote("prefetch_adapters", names)
+    async def prefetch_adapters(self, names: list[str], replace: list[str] = ()) -> list[str]:
+        return await self._remote("prefetch_adapters", names, list(replace))
 
     async def stats(self) -> dict:
         return await self._remote("stats")

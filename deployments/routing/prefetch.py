@@ -7,8 +7,9 @@ cache has room, and the fleet's host memory holds the adapter set once, partitio
 each replica holding whatever its first requests asked for. A replica that joins takes over its
 share before traffic reaches it; when one leaves, the next in each of its adapters' orders loads them.
 
-Prefetch only fills room (up to `fill` of the cache): it never evicts, so an adapter that requests
-brought in is never pushed out by one that nobody has asked for.
+Prefetch keeps up to `fill` of the cache in home adapters: it fills free room, and beyond that evicts only
+adapters this replica is not the home of (least recently used first, none that a step holds): at start
+every replica has read every configured adapter to validate it, and its cache holds whichever came last.
 """
 from __future__ import annotations
 
@@ -33,20 +34,26 @@ class HomePrefetcher:
         self.replica_id = replica_id
         self._live_replicas, self._adapters, self._registered, self._register = (live_replicas, adapters,
                                                                                  registered, register)
-        self.engine, self.room = engine, int(capacity * fill)
+        self.engine, self.capacity, self.room = engine, capacity, int(capacity * fill)
         self.period_s = period_s
 
     async def step(self) -> list[str]:
-        """Start loading the home adapters that fit in the room left; returns their names."""
+        """Start loading the home adapters not held, up to `fill` of the cache in home adapters; returns them."""
         live = set(await self._live_replicas()) | {self.replica_id}
         homes = sorted(a for a in self._adapters() if home_of(a, sorted(live)) == self.replica_id)
         residency = (await self.engine.stats()).get("lora", {}).get("residency", {})
         held = set(residency.get("host", ())) | set(residency.get("loading", ()))
-        wanted = [a for a in homes if a not in held][:max(0, self.room - len(held))]
-        new = [a for a in wanted if a not in self._registered()]
+        home_set = set(homes)
+        wanted = [a for a in homes if a not in held][:max(0, self.room - len(held & home_set))]
+        # room beyond the free slots is made only from adapters this replica is not the home of and no step
+        # holds (the least recently used first): a warm copy of another replica's adapter goes before a home one
+        others = [a for a in held if a not in home_set and a not in residency.get("device", ())]
+        unregistered = [a for a in wanted if a not in self._registered()]
+        new = unregistered[:max(0, self.capacity - len(held))]   # registering reads it: only into free room
         for name in new:
-            await self._register(name)   # reads it now (an adapter hot-loaded after this replica started)
-        return new + await self.engine.prefetch_adapters([a for a in wanted if a not in new])
+            await self._register(name)   # an adapter hot-loaded after this replica started
+        cached = [a for a in wanted if a not in unregistered]
+        return new + await self.engine.prefetch_adapters(cached, others)
 
     async def run(self) -> None:
         while True:
