@@ -22,6 +22,7 @@ The FIFO matching of pending requests to routing tasks (FIFOMixin) is not modell
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 from types import SimpleNamespace
 
@@ -137,7 +138,7 @@ class ServeDefaultRouting(Router):
 
         super().__init__(replicas, clock)
         random.seed(seed)   # Ray's router draws from the module-level `random`
-        request_router.time = SimpleNamespace(time=lambda: clock() + self.CLOCK_OFFSET)
+        self._ray_module, self._sim_time = request_router, SimpleNamespace(time=lambda: clock() + self.CLOCK_OFFSET)
         deployment = DeploymentID(name="LLMServer", app_name="fleet")
         self.loop = asyncio.new_event_loop()
         self.router = pow_2_router.PowerOfTwoChoicesRequestRouter(
@@ -150,10 +151,21 @@ class ServeDefaultRouting(Router):
         self._metadata, self._pending_request = RequestMetadata, PendingRequest
         self._update()
 
+    @contextlib.contextmanager
+    def _simulated_time(self):
+        """Ray's router module reads `time.time()`: the simulation's clock while it runs, and Ray's own again
+        after (left patched, it broke pickling Serve's router classes in the rest of the test process)."""
+        saved, self._ray_module.time = self._ray_module.time, self._sim_time
+        try:
+            yield
+        finally:
+            self._ray_module.time = saved
+
     def _update(self) -> None:
         async def update():
             self.router.update_replicas(self.running)
-        self.loop.run_until_complete(update())
+        with self._simulated_time():
+            self.loop.run_until_complete(update())
 
     def tick(self, now: float) -> None:
         """A replica pushes its model ids (loaded and loading: multiplex.py:126-133) when they changed, every
@@ -176,7 +188,8 @@ class ServeDefaultRouting(Router):
                                                   future=self.loop.create_future())
         coro = self.router.choose_replicas(self.router._replicas_list, req.context)
         try:
-            coro.send(None)
+            with self._simulated_time():
+                coro.send(None)
         except StopIteration as done:
             return [[self.index[r.replica_id] for r in tier] for tier in done.value]
         coro.close()

@@ -49,6 +49,18 @@ def test_every_request_finishes_once_and_the_fleet_ends_empty(router):
     assert max(max(s) for s in sim.samples) <= SPEC.max_ongoing_requests
 
 
+def test_driving_rays_router_leaves_its_module_as_it_was():
+    """The baseline steps Ray's router on the simulation's clock; after it, Serve still builds a deployment config
+    (the patched clock once broke pickling its router class in the rest of the test process)."""
+    from ray.serve._private.request_router import request_router
+    from ray.serve.config import RequestRouterConfig
+
+    before = request_router.time
+    run(2, random_requests(20, adapters=3, rate=20.0), "serve-default")
+    assert request_router.time is before
+    RequestRouterConfig()
+
+
 def test_one_replica_at_low_load_ttft_is_load_plus_prefill_and_tpot_is_a_decode_step():
     requests = [SimRequest(10.0 * i, "a0", 40, 5) for i in range(3)]
     run(1, requests)

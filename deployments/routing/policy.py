@@ -224,12 +224,12 @@ class AffinityPolicy:
     def home_size(self, adapter: str, now: float | None = None, mean_load: float | None = None) -> int:
         """An adapter's home grows to carry its demand at `home_share` of a replica's fair share of the load (the
         mean load, at least the spill floor, at most the replica's capacity): a hot adapter spreads at any load,
-        the tail stays at home (at a light load one request in flight is no reason for a second home)."""
+        the tail stays at home (one request in flight is never a reason for a second home)."""
         now = self.clock() if now is None else now
         d = self.demand.setdefault(adapter, Demand(seen=now, needed_since=now))
         if mean_load is None:
             mean_load = (sum(self.load(r) for r in self.replicas) + 1) / len(self.replicas)
-        share = self.home_share * min(self._capacity(), max(self._spill_floor(), mean_load))
+        share = max(1.0, self.home_share * min(self._capacity(), max(self._spill_floor(), mean_load)))
         limit = min(self.max_home or len(self.replicas), len(self.replicas))
         needed = min(limit, max(1, math.ceil(self._demand_now(adapter, now) / share)))
         if needed >= d.home:
