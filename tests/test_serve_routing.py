@@ -31,9 +31,10 @@ def url(model_dir, tmp_path_factory, shared_serve):
     root = tmp_path_factory.mktemp("routing_adapters")
     adapters = {name: str(make_adapter(model, root / name, r=4, seed=i)) for i, name in enumerate(ADAPTERS)}
     # engines in the replicas' own processes (no engine process each: three replicas on two cores);
-    # max_num_seqs 4 is the capacity a replica reports: an adapter's home grows past 2 in flight (home_share 0.5)
+    # max_num_seqs 16 is the capacity a replica reports: a home takes 4 requests (a quarter) before it gives way,
+    # so a load report a moment stale (the probe's requests just ended) moves nothing
     serve.run(build_app(dict(model=str(model), served_model_name=BASE, adapters=adapters, device="cpu",
-                             max_model_len=256, max_lora_rank=4, max_num_seqs=4, num_replicas=3,
+                             max_model_len=256, max_lora_rank=4, max_num_seqs=16, num_replicas=3,
                              max_ongoing_requests=16, engine_process=False, routing_stats_period_s=0.5)),
               name=APP, route_prefix="/")
     return shared_serve
