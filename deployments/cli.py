@@ -55,7 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      help="how requests pick a replica: adapter home sets with bounded load (default), or Serve's "
                           "multiplexed routing (README: Routing)")
     run.add_argument("--max-lora-rank", type=int, default=64)
-    run.add_argument("--max-loras-per-batch", type=int, default=4)
+    run.add_argument("--max-loras-per-batch", type=int, default=8,
+                     help="distinct adapters a step runs (default 8: README, Scheduling)")
     run.add_argument("--max-loaded-loras", type=int, default=16)
     run.add_argument("--max-model-len", type=int, default=None)
     run.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoding at once per replica")
