@@ -1,11 +1,15 @@
 """Shared benchmark plumbing: sizes, the engine factory, a timed step loop, results files."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
+import shutil
 import statistics
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -220,3 +224,24 @@ def bench_main(name: str, doc: str, run, argv=None) -> dict:
     data = run(sizes_from_json(args.sizes), args.dtype)
     print(write_result(f"{name}_{args.dtype}", data))
     return data
+
+
+@contextlib.contextmanager
+def local_serve(prefix: str, num_cpus: int) -> Iterator[str]:
+    """A private loopback Ray + Serve for one benchmark run: yields Serve's HTTP URL; stops both after."""
+    from workers.ray_utils import free_port, init_local_ray
+
+    temp_dir = tempfile.mkdtemp(prefix=prefix, dir="/tmp")   # short: Ray's socket paths have a length limit
+    init_local_ray(temp_dir, num_cpus=num_cpus)
+    import ray
+    from ray import serve
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+            shutil.rmtree(temp_dir, ignore_errors=True)

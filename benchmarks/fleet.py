@@ -22,13 +22,11 @@ import asyncio
 import dataclasses
 import json
 import random
-import shutil
-import tempfile
 import threading
 import time
 from pathlib import Path
 
-from benchmarks.common import RESULTS, machine_info, write_result
+from benchmarks.common import RESULTS, local_serve, machine_info, write_result
 from benchmarks.fleet_adapters import ensure_fleet_adapters
 from benchmarks.fleet_client import drive, prompt_ids
 from benchmarks.fleet_metrics import counters, hit_rate_series, recovery, summarize
@@ -173,20 +171,14 @@ def main(argv=None) -> dict:
     duration = 20.0 if args.quick else fleet.duration_s
     from transformers import AutoConfig
 
-    from workers.ray_utils import free_port, init_local_ray
     model_dir, adapters = ensure_fleet_adapters(fleet)
     vocab_size = AutoConfig.from_pretrained(model_dir).vocab_size
-    temp_dir = tempfile.mkdtemp(prefix="lsfl-", dir="/tmp")   # short: Ray's socket paths have a length limit
-    init_local_ray(temp_dir, num_cpus=2 * fleet.replicas + 2)
-    import ray
-    from ray import serve
-
-    from deployments.app import build_app
     runs: list[dict] = []
     began = time.time()
-    try:
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+    with local_serve("lsfl-", 2 * fleet.replicas + 2) as url:
+        from ray import serve
+
+        from deployments.app import build_app
         for routing in ROUTINGS:
             t0 = time.perf_counter()
             config = app_config(routing, model_dir, adapters, fleet, args.routing_options)
@@ -201,17 +193,11 @@ def main(argv=None) -> dict:
             warm, timed = workloads(SETTINGS[setting], index, fleet, duration)
             kill = routing.endswith("+kill")
             name = app_name(routing.removesuffix("+kill"))
-            got = run_once(f"http://127.0.0.1:{port}/{name}", name, warm, timed, index, vocab_size, fleet.replicas,
+            got = run_once(f"{url}/{name}", name, warm, timed, index, vocab_size, fleet.replicas,
                            KILL_AT_S * duration / fleet.duration_s if kill else None)
             runs.append({"setting": setting, "routing": routing, **got})
             print(f"[fleet] {setting} {routing}: " + " | ".join(row(len(runs), runs[-1])[2:]) +
                   (f"; hit rate back at 0.9 after {got['kill']['back_after_s']} s" if kill else ""), flush=True)
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            shutil.rmtree(temp_dir, ignore_errors=True)
     records_path = Path(adapters[next(iter(adapters))]).parent.parent / f"records-{int(began)}.json"
     records_path.write_text(json.dumps([{k: r[k] for k in ("setting", "routing", "records")} for r in runs]))
     result = {"benchmark": "fleet", "quick": args.quick, "fleet": dataclasses.asdict(fleet),

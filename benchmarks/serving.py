@@ -15,13 +15,11 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass, replace
 
 from benchmarks.checkpoint import ALL7, build_adapters, build_checkpoint
-from benchmarks.common import FULL, Sizes, machine_info, sizes_dict, write_result
+from benchmarks.common import FULL, Sizes, local_serve, machine_info, sizes_dict, write_result
 from benchmarks.hotload import percentile
 from benchmarks.procfs import process_cpu_seconds, process_tree
 
@@ -145,25 +143,16 @@ def bench_config(model_dir, paths, load: ServingLoad, sizes: Sizes, dtype: str, 
 def run(sizes: Sizes = FULL, load: ServingLoad = ServingLoad(), dtype: str = "bfloat16", log=print,
         rates: tuple[float, ...] | None = None, engine_process: bool = True) -> dict:
     """One deployment; the load at each of `rates` (default: load.rate) after one warm-up."""
-    from workers.ray_utils import free_port, init_local_ray
-
     model_dir = build_checkpoint(dtype, sizes.shape)
     paths = build_adapters(load.num_adapters, sizes.shape, sizes.rank)
-    temp_dir = tempfile.mkdtemp(prefix="lsb-", dir="/tmp")   # short: Ray's socket paths have a length limit
-    init_local_ray(temp_dir, num_cpus=max(2, os.cpu_count() or 2))
-    import ray
-    from ray import serve
-
-    from deployments.app import build_app
-
     runs = []
-    try:
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+    with local_serve("lsb-", max(2, os.cpu_count() or 2)) as url:
+        from ray import serve
+
+        from deployments.app import build_app
         started = time.perf_counter()
         app = build_app(bench_config(model_dir, paths, load, sizes, dtype, engine_process))
         serve.run(app, name="bench", route_prefix="/", blocking=False)
-        url = f"http://127.0.0.1:{port}"
         log(f"[serving] deployed in {time.perf_counter() - started:.0f} s")
         naming = lambda adapter: model_name("bench", adapter)  # noqa: E731
         asyncio.run(drive(url, warm_requests(load, sizes), naming))   # first-call costs stay out of the timings
@@ -173,12 +162,6 @@ def run(sizes: Sizes = FULL, load: ServingLoad = ServingLoad(), dtype: str = "bf
             results, wall = asyncio.run(drive(url, requests, naming))
             cpu = {k: v - cpu_before.get(k, 0.0) for k, v in serve_cpu_seconds().items()}
             runs.append(dict(rate=timed.rate, summary=summarize(results, wall), cpu_s=cpu))
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            shutil.rmtree(temp_dir, ignore_errors=True)
     for r in runs:
         summary, tokens = r["summary"], r["summary"]["output_tokens"]
         r["cpu_s_per_token"] = {k: v / tokens for k, v in r["cpu_s"].items()} if tokens else {}
