@@ -58,6 +58,9 @@ class LLMServer(ReplicaAdapters):
         self._token_names = TokenNames(self.engine.decode_tokenizer)
         self._think = think_tokens(config.engine.reasoning_parser, self.engine.decode_tokenizer)   # chat's reasoning
         self._batch_window_s = config.stream_batch_interval_ms / 1e3
+        engine_config = config.engine   # a property that builds an EngineConfig: read once
+        self._routing_limits = {"capacity": engine_config.max_num_seqs,
+                                "lora_budget": engine_config.max_loras_per_batch}
         self.metrics = ServerMetrics(config.base_model_name, self.engine.max_model_len,
                                      config.engine.max_loras_per_batch)
         registry = RegistryClient(context.app_name, config.base_model_name, config.registry_sync_interval_s)
@@ -286,9 +289,7 @@ class LLMServer(ReplicaAdapters):
         """What the request router reads (deployments/routing/router.py), every routing_stats_period_s."""
         engine = await self.engine.stats()
         lora = engine.get("lora", {})
-        engine_config = self.config.engine
-        return {"capacity": engine_config.max_num_seqs, "lora_budget": engine_config.max_loras_per_batch,
-                "load": engine["running"] + engine["waiting"],
+        return {**self._routing_limits, "load": engine["running"] + engine["waiting"],
                 **lora.get("residency", {}), "requests": lora.get("requests", {})}
 
     async def is_healthy(self) -> bool:
