@@ -8,6 +8,7 @@ one replica holding the adapter until it rejects at max_ongoing_requests (16 her
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 
 import pytest
 import requests
@@ -74,9 +75,16 @@ def test_each_adapters_requests_go_to_its_home_replica(url):
 def test_a_hot_adapters_burst_spreads_over_the_replicas(url):
     replica_ids(url)
     adapter = ADAPTERS[0]
+    # 12 at once, each long enough (64 tokens) that they overlap even on a loaded machine: with short ones
+    # the first finished before the last was sent and the home replica never looked busy (17 of 24 in CI)
+    start = threading.Barrier(12)
+
+    def burst_request(i: int) -> requests.Response:
+        if i < 12:
+            start.wait(timeout=60)
+        return complete(url, f"{BASE}:{adapter}", max_tokens=64, prompt=PROMPTS[i % len(PROMPTS)])
     with concurrent.futures.ThreadPoolExecutor(12) as pool:
-        responses = list(pool.map(lambda i: complete(url, f"{BASE}:{adapter}", max_tokens=24,
-                                                     prompt=PROMPTS[i % len(PROMPTS)]), range(24)))
+        responses = list(pool.map(burst_request, range(24)))
     by_replica: dict[str, int] = {}
     for r in responses:
         by_replica[r.headers[REPLICA]] = by_replica.get(r.headers[REPLICA], 0) + 1

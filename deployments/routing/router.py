@@ -4,12 +4,16 @@ Serve runs one router per caller process (the ingress replica, a proxy, each Dep
 each drives its own AffinityPolicy. The policy's inputs:
 - replicas' `record_routing_stats` (LLMServer.record_routing_stats: residency and load, every
   `request_routing_stats_period_s`), read on every replica-set broadcast;
-- what this router sent: `on_request_routed` (accepted by a replica) and `on_request_completed`.
+- what this router sent: its first choice for a request counts at once (Serve asks for the choices of a
+  burst's requests before any replica accepted the first: counted only at `on_request_routed`, a burst of
+  12 saw every replica idle and went to one), moved if another replica accepted it (`on_request_routed`),
+  and ends at `on_request_completed`.
 `choose_replicas` returns the policy's ranking as one replica per tier, so Serve tries them in order
 and moves to the next at once when a replica is at `max_ongoing_requests` (no backoff in between).
 """
 from __future__ import annotations
 
+import time
 from typing import List, Optional
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -22,6 +26,7 @@ class AdapterAffinityRouter(RequestRouter):
         """`RequestRouterConfig.request_router_kwargs`: AffinityPolicy's knobs (LLMConfig.routing_options)."""
         self.policy = AffinityPolicy(**kwargs)
         self._requests: dict[str, tuple[str | None, str]] = {}   # internal request id -> (adapter, replica)
+        self._chosen: dict[str, tuple[str | None, str, float]] = {}   # not yet accepted: (adapter, replica, when)
 
     def update_replicas(self, replicas: List[RunningReplica]) -> None:
         super().update_replicas(replicas)
@@ -41,12 +46,35 @@ class AdapterAffinityRouter(RequestRouter):
             return [candidate_replicas]
         pending_request.routing_context.should_backoff = True   # every replica full: back off, then retry
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        ranked = self.policy.rank(pending_request.metadata.multiplexed_model_id or None)
-        return [[by_id[r]] for r in ranked if r in by_id]
+        adapter = pending_request.metadata.multiplexed_model_id or None
+        ranked = [r for r in self.policy.rank(adapter) if r in by_id]
+        self._forget_choice(pending_request.metadata.internal_request_id)   # a retry chooses again
+        self._expire_choices()
+        if ranked:
+            self._chosen[pending_request.metadata.internal_request_id] = (adapter, ranked[0], time.monotonic())
+            self.policy.routed(adapter, ranked[0])
+        return [[by_id[r]] for r in ranked]
+
+    def _forget_choice(self, request_id: str) -> None:
+        entry = self._chosen.pop(request_id, None)
+        if entry is not None:
+            self.policy.completed(entry[0], entry[1])
+
+    def _expire_choices(self, ttl_s: float = 30.0) -> None:
+        """A request no replica ever accepted (its caller gave up while Serve backed off) stops counting."""
+        now = time.monotonic()
+        for request_id in [i for i, (_, _, t) in self._chosen.items() if now - t > ttl_s]:
+            self._forget_choice(request_id)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        request_id = pending_request.metadata.internal_request_id
         adapter = pending_request.metadata.multiplexed_model_id or None
-        self._requests[pending_request.metadata.internal_request_id] = (adapter, replica_id.unique_id)
+        self._requests[request_id] = (adapter, replica_id.unique_id)
+        chosen = self._chosen.pop(request_id, None)
+        if chosen is not None and chosen[1] == replica_id.unique_id:
+            return                                       # counted when chosen
+        if chosen is not None:
+            self.policy.completed(chosen[0], chosen[1])
         self.policy.routed(adapter, replica_id.unique_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
