@@ -88,6 +88,10 @@ def test_strided_and_batched_inputs():
     x3 = torch.randn(2, 5, 130, generator=gen).bfloat16()
     y3 = kernel(x3, packed, None)
     assert y3.shape == (2, 5, 48) and torch.equal(y3, w8a8_reference(x3, q, scale, None))
+    wrong = (torch.randn(2, 131).bfloat16(), torch.randn(2, 130).half()) if isinstance(kernel, FusedCpuW8A8) else ()
+    for x in wrong:   # the eager call checks x against the layer (it never reads past the weight)
+        with pytest.raises(ValueError, match="W8A8 kernel"):
+            kernel(x, packed, None)
 
 
 @pytest.mark.parametrize("row", [False, True])

@@ -5,7 +5,7 @@
 x [..., K] bf16 / fp32, weight as `pack` lays it out, weight_scale fp32 [N], bias [N] or None; y [..., N] in
 x's dtype. Registered through torch.library with a fake implementation, so the decode graph's tape
 (workers/tape_graph.py) records it as one op and FakeTensor mode sees its shape. Eager calls skip the
-dispatcher (`linear`): the op's Python dispatch costs about as much as a small layer's quantization.
+dispatcher (`run`): the op's Python dispatch costs about as much as a small layer's quantization.
 Needs AMX int8 (Sapphire Rapids and later) and Linux's permission for its tile state; without either
 `available()` is False and the W8A8 layers keep oneDNN's GEMM (workers/quant/kernels.py).
 """
@@ -55,24 +55,35 @@ def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bi
           and weight_scale.dtype == torch.float32 and weight_scale.is_contiguous() and weight_scale.numel() == n
           and (bias is None or (bias.dtype in DTYPES and bias.is_contiguous() and bias.numel() == n)))
     if not ok:
-        raise ValueError("the CPU W8A8 kernel does not take x, weight, weight_scale, bias "
-                         f"{[None if t is None else (tuple(t.shape), t.dtype) for t in (x, weight, weight_scale, bias)]}"
-                         f" for {n} outputs (it needs bf16 / fp32 x with unit column stride and pack()'s weight)")
+        operands = [None if t is None else (tuple(t.shape), t.dtype) for t in (x, weight, weight_scale, bias)]
+        raise ValueError(f"the CPU W8A8 kernel does not take x, weight, weight_scale, bias {operands} for {n} outputs"
+                         f" (it needs bf16 / fp32 x with unit column stride and pack()'s weight)")
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
            out_features: int) -> torch.Tensor:
+    """The op: every operand checked."""
     _check(x, weight, weight_scale, bias, out_features)
+    return run(x, weight, weight_scale, bias, out_features, x.shape[-1])
+
+
+def run(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+        out_features: int, in_features: int) -> torch.Tensor:
+    """A layer's eager call on pack()'s weight and scales for [in_features] -> [out_features], whose layout
+    needs no check (the op's full check costs ~2 us a call, and a step makes 4 per layer): x and bias only."""
+    if not (x.dtype in DTYPES and x.stride(-1) == 1 and x.device.type == "cpu" and x.shape[-1] == in_features
+            and (bias is None or (bias.dtype in DTYPES and bias.numel() == out_features and bias.is_contiguous()))):
+        _check(x, weight, weight_scale, bias, out_features)   # raises, naming the operands
+        raise ValueError(f"the CPU W8A8 kernel of this layer takes {in_features} inputs, not {x.shape[-1]}")
     lib = _load()
     if lib is None:
         raise RuntimeError("the CPU W8A8 kernel is not available (no AMX int8, or see lora/native.py's warning)")
     k = x.shape[-1]
     x2 = x.reshape(-1, k)   # a view for the layers' inputs (rows of unit column stride)
     y = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype)
+    bias_ptr, bias_bf16 = (None, False) if bias is None else (bias.data_ptr(), bias.dtype == torch.bfloat16)
     status = lib.w8a8_linear(x2.data_ptr(), x2.stride(0), x.dtype == torch.bfloat16, x2.shape[0], k,
-                             weight.data_ptr(), out_features, weight_scale.data_ptr(),
-                             None if bias is None else bias.data_ptr(), bias is not None and bias.dtype == torch.bfloat16,
-                             y.data_ptr())
+                             weight.data_ptr(), out_features, weight_scale.data_ptr(), bias_ptr, bias_bf16, y.data_ptr())
     if status == OUT_OF_MEMORY:
         raise MemoryError("CPU W8A8 kernel: out of memory for its quantized activations")
     if status != 0:

@@ -65,14 +65,14 @@ class CpuW8A8:
 class FusedCpuW8A8:
     name = "cpu:amx_fused"
 
-    def pack(self, weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-        return (*cpu_w8a8.pack(weight, scale), weight.shape[0])
+    def pack(self, weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        return (*cpu_w8a8.pack(weight, scale), *weight.shape)
 
     def __call__(self, x: torch.Tensor, packed: tuple, bias: torch.Tensor | None) -> torch.Tensor:
-        weight, scale, out_features = packed
+        weight, scale, out_features, in_features = packed
         if torch._C._len_torch_dispatch_stack():   # a capture's tape or FakeTensor mode: the registered op
             return torch.ops.loraserve.w8a8_linear(x, weight, scale, bias, out_features)
-        return cpu_w8a8.linear(x, weight, scale, bias, out_features)
+        return cpu_w8a8.run(x, weight, scale, bias, out_features, in_features)
 
 
 class NpuW8A8:
