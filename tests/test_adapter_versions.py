@@ -77,15 +77,15 @@ def test_running_requests_keep_their_version_new_ones_get_the_new(model, weights
     # the old version is freed once its requests ended: only the current one is resident
     cache = engine.adapters.cache
     assert cache.stats()["referenced"] == 0 and list(engine.list_adapters()) == ["A"]
-    assert [k for k in cache._resident] == [engine.adapters.current_key("A")]
+    assert [k for k in cache._resident] == [engine.adapters.current("A")]
 
 
 def test_loading_the_same_weights_again_is_a_no_op(model, weights):
     engine = _engine(model)
     assert engine.load_adapter("A", str(weights["v1"])) == "loaded"
-    key, version = engine.adapters.current_key("A"), engine.adapters.version("A")
+    key, version = engine.adapters.current("A"), engine.adapters.version("A")
     assert engine.load_adapter("A", str(weights["v1"])) == "unchanged"
-    assert (engine.adapters.current_key("A"), engine.adapters.version("A")) == (key, version)
+    assert (engine.adapters.current("A"), engine.adapters.version("A")) == (key, version)
     assert engine.load_adapter("A", str(weights["v2"])) == "replaced" and engine.adapters.version("A") != version
 
 
