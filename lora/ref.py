@@ -18,6 +18,7 @@ class AdapterRef:
     # weights from another path are the same version; pinning does not change the weights)
     source: str = field(default="", compare=False)
     pinned: bool = field(default=False, compare=False)
+    has_experts: bool = field(default=False, compare=False)   # MoE expert weights: it takes an expert slot too
 
     @property
     def prefix_key(self) -> bytes:

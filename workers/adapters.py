@@ -51,7 +51,6 @@ class AdapterManager:
         # MoE: adapters with expert weights also take one of these (fewer: their buffers are large)
         self.max_expert_loras = max_expert_loras or max_loras_per_batch
         self.expert_slots = SlotTable(self.max_expert_loras)
-        self._has_experts: dict[AdapterRef, bool] = {}   # version -> it has expert weights
         self._current: dict[str, AdapterRef] = {}         # name -> the version new requests get
 
     @property
@@ -98,10 +97,9 @@ class AdapterManager:
                 sum(map(self.uses_experts, pinned_refs)) + 1 >= self.max_expert_loras:
             raise AdapterError(f"adapter {name!r}: pinning it would leave no free expert slot "
                                f"(max_expert_loras={self.max_expert_loras})")
-        ref = AdapterRef(name, content_version(adapter), source, pinned)
+        ref = AdapterRef(name, content_version(adapter), source, pinned, has_experts)
         self.cache.register(ref, source, pinned=pinned)   # the same version again: only its source or pin change
         if ref != current:
-            self._has_experts[ref] = has_experts
             try:
                 self.cache.load_now(ref, preloaded or (adapter, 0.0))
             except Exception:
@@ -159,7 +157,8 @@ class AdapterManager:
 
     def uses_experts(self, key: AdapterRef | str) -> bool:
         """Whether the adapter version (or a name's current one) has expert weights: it needs an expert slot."""
-        return self._has_experts.get(self._current.get(key, key), False)
+        ref = self._current.get(key, key)
+        return isinstance(ref, AdapterRef) and ref.has_experts
 
     def assign_slots(self, refs: set[AdapterRef]) -> tuple[list[tuple[int, AdapterRef]], dict[int, int]]:
         """Give every adapter version of the batch a slot, and those with expert weights an expert slot too;
@@ -167,7 +166,7 @@ class AdapterManager:
         expert slot went to another since it was loaded is loaded again (its slot kept)."""
         pinned = self.pinned
         loads = dict((ref, slot) for slot, ref in self.slots.assign(sorted(refs), pinned=pinned))
-        experts = sorted(ref for ref in refs if self._has_experts.get(ref))
+        experts = sorted(ref for ref in refs if ref.has_experts)
         for _, ref in self.expert_slots.assign(experts, pinned=pinned):
             loads.setdefault(ref, self.slots.slot_of(ref))
         expert_slots = {slot: self.expert_slots.slot_of(ref) for ref, slot in loads.items() if ref in experts}
@@ -185,7 +184,6 @@ class AdapterManager:
         if not self.cache.is_registered(ref) and not self.cache.is_resident(ref):
             self.slots.remove(ref)
             self.expert_slots.remove(ref)
-            self._has_experts.pop(ref, None)
 
     def stats(self) -> dict:
         # versions: which weights each name serves here (content digests), comparable across replicas
