@@ -82,8 +82,10 @@ static inline void st_bf16(uint16_t *p, vf v, int n) { (void)n; *p = bf16_store(
 static inline vf v_exp(vf x) { return expf(x); }
 #endif
 
-/* Rows worth splitting over the threads: below this many elements a step's wake-up costs more. */
-#define PARALLEL_MIN 8192
+/* Split over the threads only past torch's own grain (at::internal::GRAIN_SIZE): below it a parallel region's
+ * wake-up and barrier cost more than the pass, and far more where other processes share the cores (a thread
+ * descheduled at the barrier stalls the call for a time slice). */
+#define PARALLEL_MIN 32768
 
 /* out = w * round(x * rsqrt(mean(x^2) + eps)), rounded: RMSNorm.forward of one row (fp32 maths) */
 #define DEFINE_NORM_ROW(NAME, T, LD, ROUND, ST)                                                       \
@@ -105,7 +107,7 @@ DEFINE_NORM_ROW(norm_row_f32, float, ld_f32, round_f32, st_f32)
 #define DEFINE_RMS_NORM(NAME, T, ROW, LD, ST)                                                         \
 int NAME(const T *x, int64_t x_stride, const T *delta, int64_t delta_stride, T *sum, const T *w,  \
          float eps, int64_t rows, int64_t D, T *out) {                                             \
-    _Pragma("omp parallel for if(rows * D >= PARALLEL_MIN)")                                       \
+    _Pragma("omp parallel for if(rows * D > PARALLEL_MIN)")                                       \
     for (int64_t i = 0; i < rows; i++) {                                                           \
         const T *xi = x + i * x_stride;                                                            \
         if (delta) {                                                                               \
@@ -125,7 +127,7 @@ DEFINE_RMS_NORM(rms_norm_f32, float, norm_row_f32, ld_f32, st_f32)
  * round(round(silu(gate)) * up), silu(g) = g / (1 + exp(-g)) as torch computes it. */
 #define DEFINE_SILU_AND_MUL(NAME, T, LD, ROUND, ST)                                                   \
 int NAME(const T *x, int64_t x_stride, int64_t rows, int64_t I, T *out) {                          \
-    _Pragma("omp parallel for if(rows * I >= PARALLEL_MIN)")                                       \
+    _Pragma("omp parallel for if(rows * I > PARALLEL_MIN)")                                       \
     for (int64_t i = 0; i < rows; i++) {                                                           \
         const T *g = x + i * x_stride, *u = g + I;                                                 \
         for (int64_t d = 0; d < I; d += W) {                                                       \
@@ -182,7 +184,7 @@ int NAME(const qkv_args *p) {                                                   
         if (p->positions[t] < 0 || p->positions[t] >= p->max_positions                             \
             || p->slot_mapping[t] < 0 || p->slot_mapping[t] >= p->num_slots)                       \
             return OUT_OF_RANGE;                                                                   \
-    _Pragma("omp parallel for if(p->tokens * (H + KVH) * D >= PARALLEL_MIN)")                      \
+    _Pragma("omp parallel for if(p->tokens * (H + KVH) * D > PARALLEL_MIN)")                      \
     for (int64_t i = 0; i < p->tokens * (H + KVH); i++) {                                          \
         const int64_t t = i / (H + KVH), h = i % (H + KVH);                                        \
         const T *src = (const T *)p->qkv + t * p->qkv_stride + h * D;                              \

@@ -45,23 +45,27 @@ def _fn(op: str, dtype: torch.dtype):
     return getattr(_load(), f"{op}_{_DTYPES[dtype]}")
 
 
-def applies(*tensors: torch.Tensor) -> bool:
-    """Whether the kernels take these tensors: all on the CPU, one dtype they have code for."""
-    dtype = tensors[0].dtype
-    return (ENABLED and dtype in _DTYPES and available()
-            and all(t.device.type == "cpu" and t.dtype == dtype for t in tensors))
+def applies(x: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Whether the kernels take these tensors: all on the CPU, of x's dtype, one they have code for."""
+    if not (ENABLED and x.is_cpu and x.dtype in _DTYPES and available()):
+        return False
+    for t in others:   # a loop, not all(<generator>): this runs on every norm of every step
+        if not t.is_cpu or t.dtype != x.dtype:
+            return False
+    return True
 
 
 def _eager() -> bool:
     return _get_current_dispatch_mode() is None and not torch.compiler.is_compiling()
 
 
-def _rows(x: torch.Tensor, what: str) -> torch.Tensor:
-    """x as [rows, D] with unit column stride (a view; a copy only where no view has a row stride)."""
-    if x.stride(-1) != 1:
-        raise ValueError(f"{what}: the last dimension must have unit stride")
-    rows = x.reshape(-1, x.shape[-1])
-    return rows if rows.stride(0) >= x.shape[-1] or rows.shape[0] <= 1 else rows.contiguous()
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as [rows, D] with unit column stride and rows apart (a view; a copy only where no view has them)."""
+    D = x.shape[-1]
+    rows = x if x.dim() == 2 else x.reshape(-1, D)
+    if rows.stride(1) != 1 or (rows.stride(0) < D and rows.shape[0] > 1):
+        rows = rows.contiguous()
+    return rows
 
 
 # ---- RMSNorm, with the residual add before it --------------------------------------------------------------
@@ -70,15 +74,16 @@ def _rms_norm_impl(x, weight, eps: float, delta=None):
     if weight.shape != (D,) or not weight.is_contiguous() or (delta is not None and delta.shape != x.shape):
         raise ValueError(f"rms_norm: x {tuple(x.shape)}, weight {tuple(weight.shape)}"
                          + (f", residual delta {tuple(delta.shape)}" if delta is not None else ""))
-    rows = _rows(x, "rms_norm")
-    out = torch.empty(x.shape, dtype=x.dtype)
-    total = torch.empty(x.shape, dtype=x.dtype) if delta is not None else None
-    d_rows = _rows(delta, "rms_norm") if delta is not None else None
-    _fn("rms_norm", x.dtype)(rows.data_ptr(), rows.stride(0), d_rows.data_ptr() if delta is not None else None,
-                             d_rows.stride(0) if delta is not None else 0,
-                             total.data_ptr() if delta is not None else None, weight.data_ptr(), eps,
-                             rows.shape[0], D, out.data_ptr())
-    return out, total
+    rows = _rows(x)
+    out = torch.empty(rows.shape[0], D, dtype=x.dtype)
+    if delta is None:
+        _fn("rms_norm", x.dtype)(rows.data_ptr(), rows.stride(0), None, 0, None, weight.data_ptr(), eps,
+                                 rows.shape[0], D, out.data_ptr())
+        return out.view(x.shape), None
+    deltas, total = _rows(delta), torch.empty(rows.shape[0], D, dtype=x.dtype)
+    _fn("rms_norm", x.dtype)(rows.data_ptr(), rows.stride(0), deltas.data_ptr(), deltas.stride(0), total.data_ptr(),
+                             weight.data_ptr(), eps, rows.shape[0], D, out.data_ptr())
+    return out.view(x.shape), total.view(x.shape)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
@@ -105,10 +110,10 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
 def _silu_and_mul_impl(x):
     if x.shape[-1] % 2:
         raise ValueError(f"silu_and_mul: the last dimension ({x.shape[-1]}) must be gate and up, of equal size")
-    rows, inter = _rows(x, "silu_and_mul"), x.shape[-1] // 2
-    out = torch.empty(*x.shape[:-1], inter, dtype=x.dtype)
+    rows, inter = _rows(x), x.shape[-1] // 2
+    out = torch.empty(rows.shape[0], inter, dtype=x.dtype)
     _fn("silu_and_mul", x.dtype)(rows.data_ptr(), rows.stride(0), rows.shape[0], inter, out.data_ptr())
-    return out
+    return out.view(*x.shape[:-1], inter)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
@@ -175,9 +180,8 @@ def qkv_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin:
     """A step's q [T, H, D] and k [T, KVH, D] from its qkv projection [T, (H + 2 KVH) D]: q/k RMSNorm-ed by
     q_weight / k_weight (None: no q/k norm), rotated at `positions` by the fp32 tables cos / sin
     [max_positions, D]; k and v written to the KV cache at slot_mapping (kv_cache.write_kv), or None."""
-    weights = [w for w in (q_weight, k_weight) if w is not None]
-    if not (applies(qkv, k_cache, v_cache, *weights) and cos.device.type == "cpu"
-            and positions.device.type == slot_mapping.device.type == "cpu"):
+    if not (applies(qkv, k_cache, v_cache) and (q_weight is None or applies(qkv, q_weight, k_weight))
+            and cos.is_cpu and positions.is_cpu and slot_mapping.is_cpu):
         return None
     args = (qkv, positions, cos, sin, q_weight, k_weight, eps, num_heads, num_kv_heads, k_cache, v_cache,
             slot_mapping)

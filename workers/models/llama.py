@@ -119,9 +119,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = mlp
 
-    def forward(self, x, batch: ForwardBatch, kv):
-        x, h = self.post_attention_layernorm.add_and_norm(x, self.self_attn(self.input_layernorm(x), batch, kv))
-        return x + self.mlp(h, batch)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, kv):
+        """(this layer's MLP output, the residual stream before it added): each residual add is done by the norm
+        after it (the next layer's input norm adds this layer's MLP output), one pass on the CPU. x: the previous
+        layer's MLP output, or the embedding with residual None."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            residual, h = self.input_layernorm.add_and_norm(residual, x)
+        residual, h = self.post_attention_layernorm.add_and_norm(residual, self.self_attn(h, batch, kv))
+        return self.mlp(h, batch), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -155,8 +162,8 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch, kv_cache) -> torch.Tensor:
         """Logits [len(batch.logits_indices), vocab] in fp32."""
-        x = self.embed_tokens(batch.input_ids, batch.lora)
+        x, residual = self.embed_tokens(batch.input_ids, batch.lora), None
         for i, layer in enumerate(self.layers):
-            x = layer(x, batch, (kv_cache.k[i], kv_cache.v[i]))
-        x = self.norm(x[batch.logits_indices])
-        return self.lm_head(x, batch.lm_lora).float()
+            x, residual = layer(x, residual, batch, (kv_cache.k[i], kv_cache.v[i]))
+        rows = batch.logits_indices
+        return self.lm_head(self.norm(residual[rows] + x[rows]), batch.lm_lora).float()
