@@ -19,7 +19,7 @@ from workers.parallel import TPGroup
 from workers.plan import StepOutput, StepPlan
 from workers.runner import ModelRunner, RuntimeInfo
 
-CPU_THREADS_ENV = "LORASERVE_CPU_THREADS"   # the default cpu_threads of this process's engines (README)
+CPU_THREADS_ENV = "LORASERVE_CPU_THREADS"   # the default cpu_threads of this process's engines (docs/cpu.md)
 
 
 class Worker:
