@@ -36,13 +36,14 @@ def _wide(rows: int, cols: int, dtype, gen, scale=1.0) -> torch.Tensor:
 
 def assert_as_rounded(out: torch.Tensor, expected: torch.Tensor) -> None:
     """fp32: within 1e-6 relative (the sum of squares' order, exp's last bit). bf16: the reference's rounding,
-    off by one bf16 step only where an fp32 value that differs in its last bit lies on a rounding boundary."""
+    different only where an fp32 value that differs in its last bit lies on a rounding boundary (rare), and then
+    by at most two bf16 steps (RMSNorm's normalised row one step off, then its product with the weight rounded)."""
     assert out.dtype == expected.dtype and out.shape == expected.shape
     if out.dtype == torch.float32:
         torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
         return
-    torch.testing.assert_close(out.float(), expected.float(), rtol=2 ** -8, atol=1e-30)
-    assert (out != expected).float().mean() < 1e-3
+    steps = (out.view(torch.int16).int() - expected.view(torch.int16).int()).abs()   # same sign: bf16 steps apart
+    assert steps.max() <= 2 and (steps > 0).float().mean() < 1e-3
 
 
 def _norm(D: int, dtype, gen) -> RMSNorm:
@@ -52,7 +53,7 @@ def _norm(D: int, dtype, gen) -> RMSNorm:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,D", [(1, 65), (3, 127), (33, 128), (32, 1024)])
+@pytest.mark.parametrize("rows,D", [(1, 65), (3, 127), (33, 128), (32, 1024), (300, 1024)])   # last: threaded
 def test_rms_norm_matches(dtype, rows, D):
     gen = _gen()
     norm, x = _norm(D, dtype, gen), _wide(rows, D, dtype, gen, scale=3.0)
@@ -73,7 +74,7 @@ def test_add_rms_norm_rounds_the_sum_then_normalises_it(dtype, rows, D):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,inter", [(1, 65), (3, 127), (33, 3072)])
+@pytest.mark.parametrize("rows,inter", [(1, 65), (3, 127), (33, 3072), (100, 3072)])   # last: threaded
 def test_silu_and_mul_matches(dtype, rows, inter):
     gen = _gen(2)
     x = _wide(rows, 2 * inter, dtype, gen, scale=4.0)
@@ -89,19 +90,27 @@ def _attention_case(dtype, tokens, heads, kv_heads, head_dim, qk_norm, seed=3):
     qkv = _wide(tokens, (heads + 2 * kv_heads) * head_dim, dtype, gen, scale=2.0)
     positions = torch.randint(0, 300, (tokens,), generator=gen)
     positions[0] = 299                                               # the table's last row
-    num_blocks, block_size = 7, 8
+    num_blocks, block_size = 16, 8
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
     cache = [torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=gen).to(dtype) for _ in range(2)]
     norms = (_norm(head_dim, dtype, gen), _norm(head_dim, dtype, gen)) if qk_norm else None
     return rope, qkv, positions, slots, cache, norms
 
 
-def _reference(rope, qkv, positions, slots, cache, norms, heads, kv_heads, head_dim):
-    """llama.Attention's torch path: split, q/k norm, rope, write_kv."""
+def _torch_norm(norm, x):
+    return norm.reference(x)
+
+
+def _kernel_norm(norm, x):
+    return cpu_ops.rms_norm(x, norm.weight, norm.eps)
+
+
+def _reference(rope, qkv, positions, slots, cache, norms, heads, kv_heads, head_dim, norm_fn=_torch_norm):
+    """llama.Attention's torch path: split, q/k norm (`norm_fn`), rope, write_kv."""
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     q, k, v = (t.reshape(-1, n, head_dim) for t, n in ((q, heads), (k, kv_heads), (v, kv_heads)))
     if norms:
-        q, k = norms[0].reference(q), norms[1].reference(k)
+        q, k = norm_fn(norms[0], q), norm_fn(norms[1], k)
     q, k = rope(positions, q, k)
     k_cache, v_cache = (c.clone() for c in cache)
     write_kv(k_cache, v_cache, k, v, slots)
@@ -115,14 +124,22 @@ def _kernel(op, rope, qkv, positions, slots, cache, norms, heads, kv_heads):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("qk_norm", [False, True])
-@pytest.mark.parametrize("tokens,heads,kv_heads,head_dim", [(1, 4, 2, 18), (3, 3, 1, 64), (33, 16, 8, 128)])
+@pytest.mark.parametrize("tokens,heads,kv_heads,head_dim", [(1, 4, 2, 18), (3, 3, 1, 64), (33, 16, 8, 128),
+                                                         (100, 16, 8, 128)])   # last: threaded
 def test_qkv_rope_matches_norm_rope_and_kv_write(dtype, qk_norm, tokens, heads, kv_heads, head_dim):
+    """bf16: the torch path's values exactly, given the q/k norm's rows (test_rms_norm_matches compares those to
+    torch's: a norm value one bf16 step off moves rope's difference of two rounded products by as much, which no
+    relative tolerance on the output bounds). fp32: torch's path end to end, to 1e-6."""
     rope, qkv, positions, slots, cache, norms = _attention_case(dtype, tokens, heads, kv_heads, head_dim, qk_norm)
+    norm_fn = _kernel_norm if dtype == torch.bfloat16 else _torch_norm
     q_ref, k_ref, k_cache_ref, v_cache_ref = _reference(rope, qkv, positions, slots, cache, norms, heads, kv_heads,
-                                                        head_dim)
+                                                        head_dim, norm_fn)
     q, k = _kernel(cpu_ops.qkv_rope, rope, qkv, positions, slots, cache, norms, heads, kv_heads)
-    assert_as_rounded(q, q_ref)
-    assert_as_rounded(k, k_ref)
+    if dtype == torch.bfloat16:
+        assert torch.equal(q, q_ref) and torch.equal(k, k_ref)
+    else:
+        assert_as_rounded(q, q_ref)
+        assert_as_rounded(k, k_ref)
     written = slots.tolist()
     k_flat, v_flat = (c.view(kv_heads, -1, head_dim) for c in cache)
     k_ref_flat, v_ref_flat = (c.view(kv_heads, -1, head_dim) for c in (k_cache_ref, v_cache_ref))
@@ -132,19 +149,10 @@ def test_qkv_rope_matches_norm_rope_and_kv_write(dtype, qk_norm, tokens, heads, 
     assert torch.equal(k_flat[:, untouched], k_ref_flat[:, untouched])
 
 
-def test_qkv_rope_in_bf16_is_the_reference_rounding_exactly_without_qk_norm():
-    """No reduction and no exp: each value is the reference's, bit for bit."""
-    rope, qkv, positions, slots, cache, norms = _attention_case(torch.bfloat16, 33, 4, 2, 64, qk_norm=False)
-    q_ref, k_ref, k_cache_ref, v_cache_ref = _reference(rope, qkv, positions, slots, cache, None, 4, 2, 64)
-    q, k = _kernel(cpu_ops.qkv_rope, rope, qkv, positions, slots, cache, None, 4, 2)
-    assert torch.equal(q, q_ref) and torch.equal(k, k_ref)
-    assert torch.equal(cache[0], k_cache_ref) and torch.equal(cache[1], v_cache_ref)
-
-
 def test_qkv_rope_refuses_positions_and_slots_out_of_range():
     rope, qkv, positions, slots, cache, norms = _attention_case(torch.float32, 3, 4, 2, 18, qk_norm=False)
-    for bad_positions, bad_slots in ((positions + 300, slots), (positions - 300, slots), (positions, slots + 56),
-                                     (positions, slots - 56)):
+    for bad_positions, bad_slots in ((positions + 300, slots), (positions - 300, slots), (positions, slots + 128),
+                                     (positions, slots - 128)):
         with pytest.raises(IndexError, match="past"):
             _kernel(cpu_ops.qkv_rope, rope, qkv, bad_positions, bad_slots, cache, None, 4, 2)
 
@@ -168,7 +176,7 @@ def test_captured_tape_replays_the_ops_on_new_inputs():
         assert graph.num_ops == 4   # the slice is a view: nothing to record
         qkv.copy_(torch.randn(qkv.shape, generator=gen))
         positions.copy_(torch.randint(0, 300, positions.shape, generator=gen))
-        slots.copy_(torch.randperm(56, generator=gen)[:5])
+        slots.copy_(torch.randperm(128, generator=gen)[:5])
         graph.replay()
         replayed_cache = [c.clone() for c in cache]
         expected = step()
