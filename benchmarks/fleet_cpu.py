@@ -4,8 +4,9 @@ There, 4 replicas' engines, their Serve actors, the ingress, the proxy and the c
 step is slower while other replicas step, and a request's way in is slower while many tokens stream out
 (results/fleet_validation.md: a request's TTFT grows with the requests in flight on the whole fleet, not only on
 its replica). Modelled as processor sharing: every job is one thread of CPU work; with n jobs running, each runs
-at min(1, cores / n) of a core. Jobs: engine steps (their calibrated cost plus the serving work of the tokens
-they give) and each request's serving path before its engine.
+at min(1, cores / (n + background)) of a core. Jobs: engine steps (their calibrated cost plus the serving work of
+the tokens they give) and each request's serving path before its engine; `background`: the runnable threads of
+everything else on the machine (Ray's own processes, the idle application, other users), on average.
 """
 from __future__ import annotations
 
@@ -13,16 +14,21 @@ import itertools
 
 
 class SharedCpu:
-    def __init__(self, cores: float, clock, schedule):
+    def __init__(self, cores: float, clock, schedule, background: float = 0.0):
         """`schedule(t, handler, *args)`: the simulation's event queue; `clock()`: its time."""
-        self.cores, self.clock, self.schedule = cores, clock, schedule
+        self.cores, self.clock, self.schedule, self.background = cores, clock, schedule, background
         self.jobs: dict[int, list] = {}   # job id -> [CPU seconds left, handler, args]
         self._ids = itertools.count()
         self._updated = 0.0
         self._version = 0                 # a finish event scheduled before the last change is stale
 
     def rate(self) -> float:
-        return min(1.0, self.cores / len(self.jobs)) if self.jobs else 1.0
+        return min(1.0, self.cores / (len(self.jobs) + self.background)) if self.jobs else 1.0
+
+    def set_background(self, background: float) -> None:
+        self._advance()
+        self.background = background
+        self._next_finish()
 
     def start(self, work_s: float, handler, *args) -> None:
         """Run `work_s` CPU seconds, then `handler(*args)`."""

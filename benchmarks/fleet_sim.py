@@ -54,6 +54,8 @@ class Scenario:
     spec: ReplicaSpec
     cores: float | None = None      # steps and serving paths share this many cores (fleet_cpu.py); None: a device each
     path_s: float = 0.0             # the serving path before a request reaches its engine (with `cores`: CPU work)
+    background_jobs: float = 0.0    # with `cores`: other processes' runnable threads, sharing the cores too
+    path_latency_s: float = 0.0     # with `cores`: the rest of the serving path, waiting rather than working
     lengths: tuple = ()             # make_workload's length arguments, as (name, value) pairs
 
 
@@ -74,13 +76,16 @@ class Simulation:
         self._order = itertools.count()
         self.samples: list[list[int]] = []     # in-flight per replica, every TICK_S
         self.cold_loads: list[float] = []      # when each cold load started
-        self.cpu = SharedCpu(scenario.cores, lambda: self.now, self.at) if scenario.cores else None
+        self.cpu = (SharedCpu(scenario.cores, lambda: self.now, self.at, scenario.background_jobs) if scenario.cores
+                    else None)
 
-    def set_costs(self, costs: StepCosts, path_s: float) -> None:
+    def set_costs(self, costs: StepCosts, path_s: float, path_latency_s: float, background_jobs: float) -> None:
         """Costs from now on (benchmarks/fleet_validate.py: each replayed run has its own machine load)."""
         for replica in self.replicas:
             replica.costs = costs
-        self.scenario = replace(self.scenario, path_s=path_s)
+        self.scenario = replace(self.scenario, path_s=path_s, path_latency_s=path_latency_s,
+                                background_jobs=background_jobs)
+        self.cpu.set_background(background_jobs)
 
     def at(self, t: float, handler, *args) -> None:
         heapq.heappush(self.events, (t, next(self._order), handler, args))
@@ -115,7 +120,7 @@ class Simulation:
         replica.in_flight += 1            # what Serve counts from the send on (the path included)
         req.replica, req.routed_at = chosen, self.now
         self.router.routed(req)
-        self.after(self.scenario.path_s, self.reach, replica, req)
+        self.after(self.scenario.path_s, self.travel, replica, req)
 
     def after(self, work_s: float, handler, *args) -> None:
         """`handler(*args)` once `work_s` of work is done: on the shared cores, else on a device of its own."""
@@ -123,6 +128,9 @@ class Simulation:
             self.cpu.start(work_s, handler, *args)
         else:
             self.at(self.now + work_s, handler, *args)
+
+    def travel(self, replica: Replica, req: SimRequest) -> None:
+        self.at(self.now + self.scenario.path_latency_s, self.reach, replica, req)
 
     def reach(self, replica: Replica, req: SimRequest) -> None:
         replica.in_flight -= 1
