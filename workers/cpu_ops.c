@@ -145,15 +145,15 @@ DEFINE_SILU_AND_MUL(silu_and_mul_f32, float, ld_f32, round_f32, st_f32)
 
 /* A step's attention inputs from its qkv projection: qkv [T, (H + 2 KVH) D] (row stride qkv_stride).
  * q / k heads RMSNorm-ed where q_w / k_w are given (Qwen3), then rotated at positions[t] with the
- * cos / sin tables [max_positions, D] (fp32, as RotaryEmbedding holds them; rounded to the dtype as
- * it does): out = round(round(x * cos) + round(rotate_half(x) * sin)). Writes q_out [T, H, D] and
+ * cos / sin tables [max_positions, D] in the dtype (RotaryEmbedding.tables: its fp32 tables rounded once, as
+ * its forward rounds each row): out = round(round(x * cos) + round(rotate_half(x) * sin)). Writes q_out [T, H, D] and
  * k_out [T, KVH, D], and k_out's and v's rows to the KV cache, [KVH, num_slots, D] each, at
  * slot_mapping[t] (kv_cache.write_kv). */
 typedef struct {
     const void *qkv;
     int64_t qkv_stride, tokens, num_heads, num_kv_heads, head_dim;
     const int64_t *positions;
-    const float *cos, *sin;
+    const void *cos, *sin;
     int64_t max_positions;
     const void *q_weight, *k_weight;
     float eps;
@@ -164,13 +164,13 @@ typedef struct {
 } qkv_args;
 
 #define DEFINE_ROTATE(NAME, T, LD, ROUND, ST)                                                         \
-static inline void NAME(T *x, const float *cos, const float *sin, int64_t D) {                     \
+static inline void NAME(T *x, const T *cos, const T *sin, int64_t D) {                             \
     const int64_t half = D / 2;                                                                    \
     for (int64_t d = 0; d < half; d += W) {                                                        \
         const int n = (int)(half - d);                                                             \
         const vf a = LD(x + d, n), b = LD(x + half + d, n);                                        \
-        const vf c0 = ROUND(ld_f32(cos + d, n)), s0 = ROUND(ld_f32(sin + d, n));                   \
-        const vf c1 = ROUND(ld_f32(cos + half + d, n)), s1 = ROUND(ld_f32(sin + half + d, n));     \
+        const vf c0 = LD(cos + d, n), s0 = LD(sin + d, n);                                         \
+        const vf c1 = LD(cos + half + d, n), s1 = LD(sin + half + d, n);                           \
         ST(x + d, v_sub(ROUND(v_mul(a, c0)), ROUND(v_mul(b, s0))), n);                             \
         ST(x + half + d, v_add(ROUND(v_mul(b, c1)), ROUND(v_mul(a, s1))), n);                      \
     }                                                                                              \
@@ -196,7 +196,7 @@ int NAME(const qkv_args *p) {                                                   
         else                                                                                       \
             memcpy(dst, src, sizeof(T) * D);                                                       \
         const int64_t pos = p->positions[t];                                                       \
-        ROTATE(dst, p->cos + pos * D, p->sin + pos * D, D);                                        \
+        ROTATE(dst, (const T *)p->cos + pos * D, (const T *)p->sin + pos * D, D);                  \
         if (h >= H) {                                                                              \
             const int64_t slot = (h - H) * p->num_slots + p->slot_mapping[t];                      \
             memcpy((T *)p->k_cache + slot * D, dst, sizeof(T) * D);                                \

@@ -138,7 +138,7 @@ def _check_qkv(qkv, positions, cos, sin, q_weight, k_weight, num_heads, num_kv_h
     D = cos.shape[-1]
     T = qkv.shape[0]
     ok = (qkv.dim() == 2 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * D and qkv.stride(1) == 1
-          and D % 2 == 0 and cos.shape == sin.shape and cos.dim() == 2 and cos.dtype == sin.dtype == torch.float32
+          and D % 2 == 0 and cos.shape == sin.shape and cos.dim() == 2 and cos.dtype == sin.dtype == qkv.dtype
           and cos.is_contiguous() and sin.is_contiguous()
           and positions.shape == (T,) and slot_mapping.shape == (T,)
           and positions.dtype == slot_mapping.dtype == torch.int64
@@ -178,8 +178,8 @@ def qkv_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin:
              num_kv_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A step's q [T, H, D] and k [T, KVH, D] from its qkv projection [T, (H + 2 KVH) D]: q/k RMSNorm-ed by
-    q_weight / k_weight (None: no q/k norm), rotated at `positions` by the fp32 tables cos / sin
-    [max_positions, D]; k and v written to the KV cache at slot_mapping (kv_cache.write_kv), or None."""
+    q_weight / k_weight (None: no q/k norm), rotated at `positions` by the tables cos / sin [max_positions, D] in
+    qkv's dtype (RotaryEmbedding.tables); k and v written to the KV cache at slot_mapping (kv_cache.write_kv), or None."""
     if not (applies(qkv, k_cache, v_cache) and (q_weight is None or applies(qkv, q_weight, k_weight))
             and cos.is_cpu and positions.is_cpu and slot_mapping.is_cpu):
         return None

@@ -75,7 +75,7 @@ class Attention(nn.Module):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         k_cache, v_cache = kv
         qk_norm = self.q_norm is not None
-        fused = cpu_ops.qkv_rope(qkv, batch.positions, self.rope.cos, self.rope.sin,
+        fused = cpu_ops.qkv_rope(qkv, batch.positions, *self.rope.tables(qkv.dtype),
                                  self.q_norm.weight if qk_norm else None, self.k_norm.weight if qk_norm else None,
                                  self.q_norm.eps if qk_norm else 0.0, self.num_heads, self.num_kv_heads,
                                  k_cache, v_cache, batch.slot_mapping)
