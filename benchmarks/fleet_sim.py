@@ -55,7 +55,8 @@ class Scenario:
     cores: float | None = None      # steps and serving paths share this many cores (fleet_cpu.py); None: a device each
     path_s: float = 0.0             # the serving path before a request reaches its engine (with `cores`: CPU work)
     background_jobs: float = 0.0    # with `cores`: other processes' runnable threads, sharing the cores too
-    path_latency_s: float = 0.0     # with `cores`: the rest of the serving path, waiting rather than working
+    path_latency_s: float = 0.0     # the rest of the serving path, waiting rather than working
+    path_before_routing: float = 0.0   # the share of `path_s` done before the router chooses (proxy, ingress)
     lengths: tuple = ()             # make_workload's length arguments, as (name, value) pairs
 
 
@@ -92,7 +93,7 @@ class Simulation:
 
     def run(self, requests: list[SimRequest]) -> list[SimRequest]:
         for req in requests:
-            self.at(req.at, self.route, req)
+            self.at(req.at, self.arrive, req)
         end = requests[-1].at if requests else 0.0
         self.at(0.0, self.tick, end)
         while self.events:
@@ -110,6 +111,9 @@ class Simulation:
         if self.now < end or any(r.in_flight for r in self.replicas):
             self.at(self.now + TICK_S, self.tick, end)
 
+    def arrive(self, req: SimRequest) -> None:
+        self.after(self.scenario.path_s * self.scenario.path_before_routing, self.route, req)
+
     def route(self, req: SimRequest) -> None:
         req.attempts += 1
         chosen = self.router.select(self.router.tiers(req))
@@ -120,7 +124,7 @@ class Simulation:
         replica.in_flight += 1            # what Serve counts from the send on (the path included)
         req.replica, req.routed_at = chosen, self.now
         self.router.routed(req)
-        self.after(self.scenario.path_s, self.travel, replica, req)
+        self.after(self.scenario.path_s * (1 - self.scenario.path_before_routing), self.travel, replica, req)
 
     def after(self, work_s: float, handler, *args) -> None:
         """`handler(*args)` once `work_s` of work is done: on the shared cores, else on a device of its own."""

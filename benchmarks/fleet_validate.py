@@ -86,12 +86,13 @@ def spec_of(fleet: FleetSpec, max_num_batched_tokens: int) -> ReplicaSpec:
 class Replay:
     """Every plain run of a recorded fleet.py result, per routing in the recorded order on one simulated fleet."""
 
-    def __init__(self, real: dict, cores: float, max_num_batched_tokens: int, path_cpu_s: float):
+    def __init__(self, real: dict, cores: float, max_num_batched_tokens: int, path_cpu_s: float,
+                 before_routing: float):
         from benchmarks.fleet import SETTINGS, workloads
 
         self.fleet = FleetSpec(**real["fleet"])
         self.spec = spec_of(self.fleet, max_num_batched_tokens)
-        self.cores, self.path_cpu_s = cores, path_cpu_s
+        self.cores, self.path_cpu_s, self.before_routing = cores, path_cpu_s, before_routing
         self.floor_s = 0.0   # a lone request's path on this run's machine: path_floor()
         self.runs = [(i, r["setting"], r["routing"]) for i, r in enumerate(real["runs"]) if r["routing"] in ROUTERS]
         self.requests: dict[int, tuple[list, list]] = {}
@@ -109,7 +110,8 @@ class Replay:
         out = {}
         for routing, router in ROUTERS.items():
             scenario = Scenario(replicas=self.fleet.replicas, num_adapters=self.fleet.num_adapters,
-                                rate=self.fleet.rate, duration_s=0.0, warmup_s=0.0, spec=self.spec, cores=self.cores)
+                                rate=self.fleet.rate, duration_s=0.0, warmup_s=0.0, spec=self.spec, cores=self.cores,
+                                path_before_routing=self.before_routing)
             sim = Simulation(scenario, costs, router, seed)
             configured = adapter_names(self.fleet.num_adapters)[-self.spec.max_loaded_loras:]
             for replica in sim.replicas:
@@ -228,7 +230,8 @@ def markdown(result: dict) -> str:
              f"{1e3 * result['path_cpu_s']:.1f} ms of CPU before the engine, per token "
              f"{1e3 * result['costs']['per_token_s']:.2f} ms beside the step); steps and paths share "
              f"{result['cores']:g} cores with `background` jobs, fitted per run (two ways: below); a lone request's "
-             f"path {1e3 * result['path_floor_s']:.1f} ms (the runs' first requests). Predicted: mean of "
+             f"path {1e3 * result['path_floor_s']:.1f} ms (the runs' first requests), "
+             f"{result['path_before_routing']:.0%} of its work before the router chooses. Predicted: mean of "
              f"{result['seeds']} seeds (range in brackets). ✗: off by more than {BOUND:.0%}."]
     for fit, got in result["fits"].items():
         lines += ["", f"Background fitted to each run's {FIT_NAMES[fit]}:", "",
@@ -257,14 +260,14 @@ def markdown(result: dict) -> str:
 FIT_NAMES = {"tpot": "TPOT p50 (the engine side)", "idle-ttft": "TTFT p50 of idle-replica arrivals (the path side)"}
 
 
-def validate(real_path: Path, probe: dict, cores: float, seeds: int) -> dict:
+def validate(real_path: Path, probe: dict, cores: float, seeds: int, before_routing: float) -> dict:
     real = json.loads(real_path.read_text())
     records_path = find_records(real)
     records = {i: run["records"] for i, run in enumerate(json.loads(records_path.read_text()))}
     calibration = json.loads((RESULTS / "fleet_calibration.json").read_text())
     engine = calibrated_costs()
     costs, path_cpu_s = serving_costs(engine, probe)
-    replay = Replay(real, cores, calibration["engine"]["max_num_batched_tokens"], path_cpu_s)
+    replay = Replay(real, cores, calibration["engine"]["max_num_batched_tokens"], path_cpu_s, before_routing)
     replay.floor_s = path_floor(replay, records, engine)
     fits = {}
     for fit in FITS:
@@ -279,7 +282,7 @@ def validate(real_path: Path, probe: dict, cores: float, seeds: int) -> dict:
             "records": str(records_path), "replicas": replay.fleet.replicas, "num_adapters": replay.fleet.num_adapters,
             "duration_s": real["duration_s"], "cores": cores, "seeds": seeds,
             "engine_costs": dataclasses.asdict(engine), "costs": dataclasses.asdict(costs), "path_cpu_s": path_cpu_s,
-            "path_floor_s": replay.floor_s, "fits": fits}
+            "path_floor_s": replay.floor_s, "path_before_routing": before_routing, "fits": fits}
 
 
 def main(argv=None) -> dict:
@@ -289,13 +292,17 @@ def main(argv=None) -> dict:
     parser.add_argument("--path-cpu", type=Path, default=RESULTS / "fleet_path_cpu.json",
                         help="benchmarks/fleet_path_cpu.py's measurement")
     parser.add_argument("--cores", type=float, default=2.0)
+    parser.add_argument("--path-before-routing", type=float, default=0.0,
+                        help="the share of the path's work done before the router chooses (proxy, ingress; not "
+                             "measured: 0 counts a request in flight at its replica for all of it)")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--out", default="fleet_validation")
     args = parser.parse_args(argv)
     probe = json.loads(args.path_cpu.read_text())
     command = "python -m benchmarks.fleet_validate " + " ".join(argv if argv is not None else sys.argv[1:])
     result = {"what": __doc__.split("\n\n")[0], "command": command, "path_cpu_probe": probe,
-              "validations": [validate(path, probe, args.cores, args.seeds) for path in args.real]}
+              "validations": [validate(path, probe, args.cores, args.seeds, args.path_before_routing)
+                              for path in args.real]}
     print(write_result(args.out, result))
     text = f"`{command}`\n\n" + "\n".join(markdown(v) for v in result["validations"])
     (RESULTS / f"{args.out}.md").write_text(text)

@@ -135,3 +135,14 @@ def test_prefetch_makes_room_only_from_its_victims():
 def test_idle_arrivals_are_those_with_nothing_else_in_flight_on_their_replica():
     spans = [("x", 0.0, 0.1, 1.0), ("x", 0.5, 0.7, 0.8), ("y", 0.5, 0.55, 0.6), ("x", 1.5, 1.6, 1.7)]
     assert idle_arrivals(spans) == pytest.approx([0.1, 0.05, 0.1])
+
+
+def test_the_serving_path_is_work_on_the_shared_cores_split_at_the_routing_decision():
+    """A lone request: routed after its share of the path before routing, at its engine after the rest and the
+    path's waiting; its first token one prefill step later (cold: after the read)."""
+    spec = Scenario(replicas=1, num_adapters=0, rate=0.0, duration_s=0.0, warmup_s=0.0, spec=SPEC, cores=2.0,
+                    path_s=0.02, path_latency_s=0.005, path_before_routing=0.25)
+    request = SimRequest(1.0, "a0", 8, 2)
+    Simulation(spec, COSTS, "adapter-affinity").run([request])
+    assert request.routed_at == pytest.approx(1.005)
+    assert request.first_token_at == pytest.approx(1.0 + 0.02 + 0.005 + COSTS.disk_load_s + COSTS.step_s(1, 1, 8, 1))
