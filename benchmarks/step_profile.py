@@ -2,18 +2,21 @@
 
     .venv/bin/python -m benchmarks.step_profile      (about three minutes)
 
-One process, three variants alternating round by round on the same prompts (base requests only, greedy):
+One process, three variants alternating round by round on the same prompts (base requests only, greedy; each
+round starts at the next variant, so that no variant always runs after the same one):
 `torch` (the engine as the benchmarks run it, LoRA enabled, cpu_ops.ENABLED off: the torch ops), `kernels`
 (the same engine, kernels on) and `kernels_lora_off` (an engine built without LoRA: what a step with no adapter
 costs the LoRA-enabled engine is the difference). Parts are wall-clock accumulators on the hot functions
 (benchmarks.profile_decode.timed_parts): gemm (every base linear, LM head included), attention, lora, sampling,
 and "other" = the rest of the step, split into elementwise (norms, rope + KV write, SiLU-and-mul), model_rest
 (embedding, residual adds, the forward's Python and its input buffers) and host (scheduling, step bookkeeping,
-detokenization: the step outside the forward and the sampler).
+detokenization: the step outside the forward and the sampler). The step-time ratios come from a plain run of
+each variant in the same round (no accumulators: they add ~1 us to each of ~140 wrapped calls a step).
 
 Beside them, the fraction of the memory-bandwidth bound each variant reaches (benchmarks/bandwidth.py: the
 bytes a step must read at this machine's median read bandwidth) and the GEMM-only ceiling: the fraction a
-step made of nothing but its measured GEMMs would reach. Writes results/step_profile.json and .md.
+step made of nothing but its measured GEMMs would reach. Writes results/step_profile.json and .md
+(step_profile_t<N> for another thread count than the benchmarks' default, e.g. --sizes '{"threads": 1}').
 """
 from __future__ import annotations
 
@@ -57,13 +60,15 @@ def run(sizes: Sizes = FULL, dtype: str = "bfloat16", rounds: int = 3, log=print
             cpu_ops.ENABLED = kernels
             run_requests(engines[lora], prompts, [None] * len(prompts), 4)
         for r in range(rounds):
-            for name, lora, kernels in VARIANTS:
+            for name, lora, kernels in VARIANTS[r % 3:] + VARIANTS[:r % 3]:
                 cpu_ops.ENABLED = kernels
                 samples[name].append(measure(engines[lora], prompts, sizes))
                 row = samples[name][-1]
+                plain = run_requests(engines[lora], prompts, [None] * len(prompts), sizes.max_tokens)
+                row["plain_step_ms"] = plain.decode_s / plain.decode_steps * 1e3
                 log(f"[step_profile {dtype}] round {r} {name:>16}: {row['step_ms']:6.1f} ms/step = " +
                     ", ".join(f"{p} {v:.1f}" for p, v in row["parts_ms"].items()) + " (" +
-                    ", ".join(f"{p} {v:.1f}" for p, v in row["other_ms"].items()) + ")")
+                    ", ".join(f"{p} {v:.1f}" for p, v in row["other_ms"].items()) + f"); plain run {row['plain_step_ms']:.1f}")
     finally:
         cpu_ops.ENABLED = True
         for engine in engines.values():
@@ -75,15 +80,15 @@ def run(sizes: Sizes = FULL, dtype: str = "bfloat16", rounds: int = 3, log=print
     variants = {}
     for name, rows in samples.items():
         med = lambda key, part: median(r[key][part] for r in rows)  # noqa: E731
-        step = median(r["step_ms"] for r in rows)
+        step, plain = median(r["step_ms"] for r in rows), median(r["plain_step_ms"] for r in rows)
         parts = {p: med("parts_ms", p) for p in rows[0]["parts_ms"]}
-        variants[name] = {"step_ms": step, "parts_ms": parts, "other_ms": {p: med("other_ms", p) for p in
+        variants[name] = {"step_ms": step, "plain_step_ms": plain, "parts_ms": parts, "other_ms": {p: med("other_ms", p) for p in
                                                                            rows[0]["other_ms"]},
-                          "other_fraction": parts["other"] / step, "fraction_of_bound": bound_ms / step,
+                          "other_fraction": parts["other"] / step, "fraction_of_bound": bound_ms / plain,
                           "gemm_ceiling_fraction": min(1.0, bound_ms / parts["gemm"])}
-    ratios = {"kernels_over_torch_step": [k["step_ms"] / t["step_ms"] for k, t in zip(samples["kernels"],
-                                                                                        samples["torch"])],
-              "lora_off_over_lora_enabled_step": [o["step_ms"] / k["step_ms"] for o, k in
+    ratios = {"kernels_over_torch_step": [k["plain_step_ms"] / t["plain_step_ms"] for k, t in
+                                          zip(samples["kernels"], samples["torch"])],
+              "lora_off_over_lora_enabled_step": [o["plain_step_ms"] / k["plain_step_ms"] for o, k in
                                                   zip(samples["kernels_lora_off"], samples["kernels"])]}
     return {"benchmark": "step_profile", "dtype": dtype, "sizes": sizes_dict(sizes), "machine": machine_info(),
             "rounds": rounds, "read_bandwidth_bytes_per_s": bw, "step_bytes": step_bytes, "bound_step_ms": bound_ms,
@@ -96,17 +101,17 @@ def markdown(data: dict) -> str:
              f"threads), CPU element-wise kernels off / on", "",
              "`.venv/bin/python -m benchmarks.step_profile`: medians of "
              f"{data['rounds']} alternating rounds, ms per decode step.", "",
-             "| variant | step | gemm | attention | lora | sampling | other | elementwise | model_rest | host "
-             "| other / step | of bandwidth bound | GEMM-only ceiling |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| variant | step (plain run) | step | gemm | attention | lora | sampling | other | elementwise | model_rest "
+             "| host | other / step | of bandwidth bound | GEMM-only ceiling |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, row in v.items():
         p, o = row["parts_ms"], row["other_ms"]
-        lines.append(f"| {name} | {row['step_ms']:.1f} | {p['gemm']:.1f} | {p['attention']:.1f} | {p['lora']:.2f} | "
+        lines.append(f"| {name} | {row['plain_step_ms']:.1f} | {row['step_ms']:.1f} | {p['gemm']:.1f} | {p['attention']:.1f} | {p['lora']:.2f} | "
                      f"{p['sampling']:.1f} | {p['other']:.1f} | {o['elementwise']:.1f} | {o['model_rest']:.1f} | "
                      f"{o['host']:.1f} | {row['other_fraction']:.0%} | {row['fraction_of_bound']:.2f} | "
                      f"{row['gemm_ceiling_fraction']:.2f} |")
     r = data["ratios_per_round"]
-    lines += ["", "Step time ratios per round (same round, alternating): kernels / torch " +
+    lines += ["", "Plain-run step time ratios per round (same round, alternating): kernels / torch " +
               ", ".join(f"{x:.3f}" for x in r["kernels_over_torch_step"]) + "; LoRA off / LoRA enabled (no adapter "
               "in the batch) " + ", ".join(f"{x:.3f}" for x in r["lora_off_over_lora_enabled_step"]) + ".",
               "", f"Bandwidth bound: {sum(data['step_bytes'].values()) / 1e6:.0f} MB a step at "
@@ -123,9 +128,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--sizes", default=None, help="JSON overrides of benchmarks.common.Sizes")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
-    data = run(sizes_from_json(args.sizes), args.dtype, args.rounds)
-    print(write_result("step_profile", data))
-    (RESULTS / "step_profile.md").write_text(markdown(data))
+    sizes = sizes_from_json(args.sizes)
+    data = run(sizes, args.dtype, args.rounds)
+    name = "step_profile" if sizes.threads == FULL.threads else f"step_profile_t{sizes.threads}"
+    print(write_result(name, data))
+    (RESULTS / f"{name}.md").write_text(markdown(data))
     return data
 
 
