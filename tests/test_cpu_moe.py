@@ -1,6 +1,7 @@
-"""The CPU grouped expert GEMM (workers/models/cpu_moe.c): exact against per-expert torch GEMMs at shapes that
-break its blocking (4 outputs x 4 rows, 32-element bf16 / 16-element fp32 vectors, 64-output work items, empty
-experts), threaded, on the tape; and a Qwen3-MoE engine with it equal to the per-expert path (fp32: tokens
+"""The CPU grouped expert GEMM (workers/models/cpu_moe.py: cpu_moe.c's kernel, torch._grouped_mm for many rows per
+expert): exact against per-expert torch GEMMs at shapes that break the kernel's blocking (4 outputs x 4 rows,
+32-element bf16 / 16-element fp32 vectors, 64-output work items, empty experts) and torch's 16-byte strides,
+threaded, on the tape; and a Qwen3-MoE engine with it equal to the per-expert path (fp32: tokens
 identical, |dlogprob| < 1e-5), expert LoRA mixed with the base, eager and captured decode."""
 from __future__ import annotations
 
@@ -35,13 +36,15 @@ def _reference(x, w, offsets):
 
 SHAPES = [   # (rows per expert, in, out): tails of every block and vector
     ([1], 1, 1), ([3, 0, 5], 17, 3), ([0, 9, 1, 4], 33, 70), ([2, 0, 0, 7, 1], 64, 129), ([4, 5], 1029, 5),
-    ([6, 0, 1], 24, 64),
+    ([6, 0, 1], 24, 64), ([5, 0, 7], 32, 16), ([9, 3], 64, 40),
 ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("counts,in_dim,out_dim", SHAPES)
-def test_grouped_gemm_matches_per_expert_gemms(counts, in_dim, out_dim, dtype):
+@pytest.mark.parametrize("kernel_rows", [10 ** 9, 0], ids=["kernel", "grouped_mm_where_aligned"])
+def test_grouped_gemm_matches_per_expert_gemms(counts, in_dim, out_dim, dtype, kernel_rows, monkeypatch):
+    monkeypatch.setattr(cpu_moe, "KERNEL_ROWS_PER_EXPERT", kernel_rows)
     x, w, offsets = _operands(counts, in_dim, out_dim, dtype)
     y = cpu_moe.grouped_gemm(x, w, offsets)
     expected = _reference(x, w, offsets)
@@ -65,7 +68,8 @@ def test_threads_share_the_experts_without_changing_a_value():
     assert torch.equal(one, two)
 
 
-def test_strided_rows_and_bad_operands():
+def test_strided_rows_and_bad_operands(monkeypatch):
+    monkeypatch.setattr(cpu_moe, "KERNEL_ROWS_PER_EXPERT", 10 ** 9)   # the kernel's checks
     x, w, offsets = _operands([2, 3], 40, 8, torch.float32)
     wide = torch.zeros(5, 48)
     wide[:, :40] = x
@@ -109,6 +113,9 @@ def moe_files(tmp_path_factory):
                                                  seed=2)}
 
 
+GROUPED = {torch.ops.loraserve.moe_grouped_gemm.default, torch.ops.aten._grouped_mm.default}
+
+
 def _generate(path, adapters, monkeypatch, enabled: bool, **config):
     monkeypatch.setattr(cpu_moe, "ENABLED", enabled)
     engine = engine_with_adapters(path, adapters, max_lora_rank=8, **config)
@@ -120,19 +127,22 @@ def _generate(path, adapters, monkeypatch, enabled: bool, **config):
         out = engine.generate([PROMPTS[i % len(PROMPTS)] for i in range(len(names))], params, adapters=names)
         graphs = engine.executor.runner.graph_runner.graphs.values()
         recorded = {entry.func for graph, _ in graphs for entry in graph._tape}
-        assert (torch.ops.loraserve.moe_grouped_gemm.default in recorded) == (enabled and bool(graphs))
+        expected = {torch.ops.loraserve.moe_grouped_gemm.default} if cpu_moe.KERNEL_ROWS_PER_EXPERT > 100 else GROUPED
+        assert bool(recorded & expected) == (enabled and bool(graphs))
         return out
     finally:
         engine.close()
 
 
 @pytest.mark.parametrize("config", [{}, {"emulate_capture": True}], ids=["eager", "captured"])
-def test_engine_with_the_kernel_equals_the_per_expert_path(moe_files, monkeypatch, config):
+@pytest.mark.parametrize("kernel_rows", [cpu_moe.KERNEL_ROWS_PER_EXPERT, 10 ** 9], ids=["default", "kernel_only"])
+def test_engine_with_the_kernel_equals_the_per_expert_path(moe_files, monkeypatch, config, kernel_rows):
+    monkeypatch.setattr(cpu_moe, "KERNEL_ROWS_PER_EXPERT", kernel_rows)
     path, adapters = moe_files
     calls = []
-    monkeypatch.setattr(cpu_moe, "_impl", lambda *a, _impl=cpu_moe._impl: calls.append(1) or _impl(*a))
+    monkeypatch.setattr(cpu_moe, "grouped_gemm", lambda *a, run=cpu_moe.grouped_gemm: calls.append(1) or run(*a))
     grouped = _generate(path, adapters, monkeypatch, True, **config)
-    assert calls, "the grouped kernel did not run"
+    assert calls, "the grouped GEMM did not run"
     calls.clear()
     per_expert = _generate(path, adapters, monkeypatch, False, **config)
     assert not calls

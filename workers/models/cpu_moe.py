@@ -1,4 +1,5 @@
-"""The grouped expert GEMM of cpu_moe.c as a torch op: every routed expert of a layer over its rows, one call.
+"""Every routed expert of a MoE layer over its rows in one call on the CPU: cpu_moe.c's grouped GEMM as a torch op
+for a few rows per expert (decode), torch's own grouped GEMM (torch._grouped_mm, oneDNN underneath) for many.
 
     loraserve::moe_grouped_gemm(x, w, offsets) -> y     y[n] = x[n] @ w[e].T for offsets[e] <= n < offsets[e+1]
 
@@ -8,6 +9,11 @@ host, so eager steps and a captured decode (workers/tape_graph.py records the op
 eager call (no dispatch mode, not tracing) calls the kernel directly, as workers/cpu_ops.py does. `applies` says
 whether the kernel takes the operands (CPU, bf16 / fp32, a C compiler, LORASERVE_MOE_KERNEL not 0); where it
 does not, qwen3_moe.py keeps one oneDNN GEMM per active expert (same maths).
+
+Which for which (results/moe_grouped.md, Qwen3-30B-A3B's expert shape, bf16, 1 thread): the kernel reads each active
+expert's weight once with all its rows and wins up to ~2 rows per expert (1.1-2x over oneDNN per expert); past
+that its dot products are compute-bound and torch._grouped_mm (prepacked-oneDNN speed on the unpacked weight) wins.
+torch._grouped_mm needs 16-byte row strides; shapes without them stay on the kernel (any shape, same maths).
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ _SYMBOLS = {torch.bfloat16: "moe_gemm_bf16", torch.float32: "moe_gemm_f32"}
 OUT_OF_MEMORY, OUT_OF_RANGE = 1, 2   # the kernel's nonzero returns
 # Off switch for A/B measurement (benchmarks/moe.py --kernel-ab flips it between runs in one process)
 ENABLED = os.environ.get("LORASERVE_MOE_KERNEL", "1") != "0"
+KERNEL_ROWS_PER_EXPERT = 2   # on average, up to which the kernel runs (torch._grouped_mm past it)
 
 
 class _Args(ctypes.Structure):
@@ -88,8 +95,16 @@ def _fake(x, w, offsets):
     return x.new_empty(x.shape[0], w.shape[1])
 
 
+def _aligned(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm takes x and w.transpose(1, 2) and writes y: 16-byte row strides (w contiguous)."""
+    size = x.element_size()
+    return x.stride(1) == 1 and w.is_contiguous() and all(n * size % 16 == 0 for n in (x.stride(0), *w.shape[1:]))
+
+
 def grouped_gemm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """y[n] = x[n] @ w[e].T for the rows n of expert e (offsets: see the module docstring)."""
+    if x.shape[0] > KERNEL_ROWS_PER_EXPERT * w.shape[0] and _aligned(x, w):
+        return torch._grouped_mm(x, w.transpose(1, 2), offs=offsets[1:].to(torch.int32))
     if _get_current_dispatch_mode() is None and not torch.compiler.is_compiling():
         return _impl(x, w, offsets)
     return torch.ops.loraserve.moe_grouped_gemm(x, w, offsets)

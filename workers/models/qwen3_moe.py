@@ -3,13 +3,12 @@
 A layer is sparse unless it is in `mlp_only_layers` or `(i + 1) % decoder_sparse_step != 0`; dense
 layers keep the Llama-family MLP at `intermediate_size`. The router is HF's (fp32 softmax, top-k,
 renormalised when `norm_topk_prob`, cast back). Experts run on the (token, choice) rows grouped by
-expert. On the CPU (bf16 / fp32) one grouped GEMM per projection (workers/models/cpu_moe.c) runs every
+expert. On the CPU (bf16 / fp32) one grouped GEMM per projection (workers/models/cpu_moe.py) runs every
 routed expert over its rows, sorted by expert with the cumulative counts computed on the device: eager
 steps and a captured decode run the same calls, nothing read back. Otherwise (no C compiler,
-LORASERVE_MOE_KERNEL=0, other dtypes or devices, and eager steps with more rows per expert than the
-kernel's share, i.e. long prefills, where oneDNN's blocked GEMMs win) one GEMM per active expert and
-projection (eager), or, in a captured decode where nothing may read back to the host, a fixed loop over
-every expert keeping each row's own (graph-safe). On an NPU
+LORASERVE_MOE_KERNEL=0, other dtypes or devices) one GEMM per active expert and projection (eager), or,
+in a captured decode where nothing may read back to the host, a fixed loop over every expert keeping
+each row's own (graph-safe). On an NPU
 with torch_npu's MoE ops (workers/models/moe_kernels.py, `use_moe_kernel`) routing, grouping, the
 grouped GEMMs and the combine are those ops instead, in every phase: nothing is read back to the host.
 
@@ -35,9 +34,6 @@ from workers.parallel import PACK_BATCH_HINT, TPGroup, _divide, _narrow, linear
 # checkpoint keys of the experts: per expert (as saved, as on the Hub) or fused (transformers 5.x in memory)
 _PER_EXPERT = re.compile(r"(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\.weight")
 _FUSED = re.compile(r"(?P<prefix>.*\.mlp\.experts)\.(?P<proj>gate_up|down)_proj(?:\.weight)?")
-# Eager steps run the grouped kernel up to this many rows per expert on average: past it (prefill) each expert's
-# weight is read from cache for many rows, and the kernel's dot products lose to oneDNN's GEMMs (results/moe_grouped.md)
-GROUPED_ROWS_PER_EXPERT = 4
 
 
 def num_experts(cfg) -> int:
@@ -221,13 +217,12 @@ class MoeExperts(nn.Module):
 
 def group_rows(weights: torch.Tensor, ids: torch.Tensor, num_experts: int, graph_safe: bool,
                grouped: bool = False) -> ExpertRows:
-    """The (token, choice) rows of a step: sorted by expert with device-side counts for the grouped kernel
-    (`grouped`: graph-safe, or eager up to its share of rows), else grouped by expert eagerly, as they are when
-    graph-safe."""
+    """The (token, choice) rows of a step: sorted by expert with device-side counts for the grouped GEMM
+    (`grouped`), else grouped by expert eagerly, as they are when graph-safe."""
     T, k = ids.shape
     token = torch.arange(T, device=ids.device).repeat_interleave(k)
     expert, weight = ids.reshape(-1), weights.reshape(-1)
-    if grouped and (graph_safe or T * k <= GROUPED_ROWS_PER_EXPERT * num_experts):
+    if grouped:
         order = torch.argsort(expert, stable=True)   # as the eager grouping's: by token within an expert
         expert = expert[order]
         return ExpertRows(token[order], expert, weight[order], None,
