@@ -148,3 +148,20 @@ def test_engine_with_the_kernel_equals_the_per_expert_path(moe_files, monkeypatc
     assert not calls
     assert [o.token_ids for o in grouped] == [o.token_ids for o in per_expert]
     assert max(abs(a - b) for og, op in zip(grouped, per_expert) for a, b in zip(og.logprobs, op.logprobs)) < 1e-5
+
+
+def test_the_benchmark_alternates_the_grouped_gemm_with_the_per_expert_path(tmp_path, monkeypatch):
+    """benchmarks/moe.py --kernel-ab at a tiny shape: both engines built (one packed, one not) and measured."""
+    from dataclasses import replace
+
+    from benchmarks import moe
+    from benchmarks.common import TINY_SIZES
+
+    monkeypatch.setenv("LORASERVE_BENCH_CACHE", str(tmp_path))
+    shape = moe.MoeShape(hidden_size=64, moe_intermediate_size=24, num_experts=8, num_experts_per_tok=2,
+                         num_attention_heads=4, num_key_value_heads=1, head_dim=16, num_hidden_layers=1,
+                         vocab_size=512, intermediate_size=96)
+    sizes = replace(TINY_SIZES, threads=1)
+    result = moe.run(sizes, "float32", rounds=1, log=lambda *_: None, shape=shape, peft=False, kernel_ab=True)
+    assert set(result["output_tok_s"]) == {"before_eight", "before_base", "after_eight", "after_base"}
+    assert result["after_over_before_base"] > 0 and result["eight_over_base"] > 0 and cpu_moe.ENABLED
