@@ -8,8 +8,8 @@ One kernel object per model runner, chosen once by platform (`w8a8_kernel`); eac
 weight once (`pack`) and calls it. Every op has fixed shapes and never reads the host, so decode
 graphs capture it.
 - cpu, AMX int8 (Sapphire Rapids and later): one C call per linear (workers/quant/cpu_w8a8.c) that
-  quantizes x, runs the int8 GEMM on AMX tiles and rescales into x's dtype, 1.3-2.6x faster than the
-  oneDNN path below at M = 1, 8 and 32 on the bench model's shapes (benchmarks/int8_gemm.py), about
+  quantizes x, runs the int8 GEMM on AMX tiles and rescales into x's dtype, 1.4-2.4x faster than the
+  oneDNN path below at M = 1, 8 and 32 on the bench model's shapes (results/w8a8_fused.md), about
   half the time of the bf16 linear: the bytes' ratio. LORASERVE_W8A8_KERNEL=onednn keeps the path below
   (the benchmarks' A/B switch).
 - cpu otherwise: oneDNN's int8 GEMM (`torch.ops.onednn.qlinear_pointwise` on a prepacked weight), measured
