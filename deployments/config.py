@@ -159,7 +159,7 @@ class LLMConfig(BaseModel):
         every file it reads against its roots, also gets each configured local adapter's directory (and
         where its files' symlinks lead, e.g. a Hub cache snapshot) as a root, and Hub ids when one is
         configured. Callers still get only the hot-load roots: LLMServer.load_adapter checks a hot-load
-        source against those before anything reads it (`check_hotload_source`). Run in the replica: the
+        source against those before anything reads it (`lora.sources.check_source_allowed`). Run in the replica: the
         paths are the replica's node's."""
         engine = self.engine_config()
         if not engine.adapter_roots:
