@@ -178,9 +178,8 @@ class LLMConfig(BaseModel):
 
     # ---- Serve options -------------------------------------------------------------------------
     def in_process(self) -> bool:
-        """TP=1 runs the model inside the replica process (no worker actor), so the replica holds the device."""
-        engine = self.engine
-        return engine.tensor_parallel_size == 1 and engine.distributed_executor in ("auto", "inproc")
+        """The model runs inside the replica process (no worker actor), so the replica holds the device."""
+        return self.engine.runs_in_process
 
     def placement_group_bundles(self) -> list[dict[str, float]]:
         """Bundle 0 is the replica; then one device bundle per TP rank (the worker group takes the last ones)."""

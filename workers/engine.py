@@ -99,17 +99,13 @@ class LLMEngine:
         then is pinning host memory worth anything, and only then is it safe. A replica with remote
         workers holds no device (Ray hides every NPU from it, and torch_npu's pinned allocator then
         fails); its adapters travel to the workers through Ray anyway."""
-        cfg = self.config
-        return self.platform.name != "cpu" and cfg.tensor_parallel_size == 1 and cfg.distributed_executor != "ray"
+        return self.platform.name != "cpu" and self.config.runs_in_process
 
     def _make_executor(self):
         """In-process Worker for TP=1, else a WorkerGroup of Ray actors (Ray must be running: see worker_group.py)."""
         cfg = self.config
-        if cfg.tensor_parallel_size == 1 and cfg.distributed_executor != "ray":
+        if cfg.runs_in_process:
             return Worker(cfg, self.runtime, self.platform, self._resident_adapter)
-        if cfg.distributed_executor == "inproc":
-            raise ValueError(f"tensor_parallel_size={cfg.tensor_parallel_size} needs one process per rank; "
-                             "use distributed_executor='auto' or 'ray'")
         from workers.worker_group import WorkerGroup  # imports Ray only when actors are asked for
         return WorkerGroup(cfg, self.runtime, self.platform, self._resident_adapter)
 

@@ -37,12 +37,6 @@ START_TIMEOUT_S = 1800.0   # a big model loads for minutes
 CLOSE_TIMEOUT_S = 30.0
 
 
-def runs_in_process(config: EngineConfig) -> bool:
-    """Whether the engine of `config` runs in its caller's process (what a child process can hold)."""
-    return config.distributed_executor == "inproc" or (
-        config.distributed_executor == "auto" and config.tensor_parallel_size == 1)
-
-
 def build_engine(config: EngineConfig, adapters: dict[str, str]):
     """The LLMEngine with its configured adapters loaded (a bad one fails the start, loudly)."""
     from workers.engine import LLMEngine   # torch: only the process that runs the engine loads it
@@ -53,9 +47,9 @@ def build_engine(config: EngineConfig, adapters: dict[str, str]):
 
 
 def start_engine(config: EngineConfig, adapters: dict[str, str], own_process: bool = True) -> AsyncLLMEngine:
-    """An engine in a process of its own when `own_process` and it can be (`runs_in_process`), else on a
+    """An engine in a process of its own when `own_process` and it can be (`EngineConfig.runs_in_process`), else on a
     thread of this process."""
-    if own_process and runs_in_process(config):
+    if own_process and config.runs_in_process:
         return EngineProcess(config, adapters)
     return AsyncLLMEngine(build_engine(config, adapters))
 
@@ -64,9 +58,9 @@ class EngineProcess(AsyncLLMEngine):
     """An AsyncLLMEngine whose engine runs in a child process (started here; adapters loaded before ready)."""
 
     def __init__(self, config: EngineConfig, adapters: dict[str, str] | None = None):
-        if not runs_in_process(config):
-            raise ValueError("an engine process holds an in-process engine (tensor_parallel_size=1 or "
-                             "distributed_executor='inproc'), not the ranks of a Ray executor")
+        if not config.runs_in_process:
+            raise ValueError("an engine process holds an in-process engine (tensor_parallel_size=1, not "
+                             "distributed_executor='ray'), not the ranks of a Ray executor")
         ours, theirs = socket.socketpair()
         self._proc = subprocess.Popen([sys.executable, "-m", "workers.engine_core", str(theirs.fileno())],
                                       pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
