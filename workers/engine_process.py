@@ -30,6 +30,7 @@ from typing import Any
 
 from workers.async_engine import AsyncLLMEngine
 from workers.config import EngineConfig
+from workers.request import EngineRequest
 from workers.errors import EngineDeadError, RequestError
 from workers.grammar import StructuredSpec
 
@@ -103,8 +104,8 @@ class EngineProcess(AsyncLLMEngine):
         return self._vocab_size
 
     # ---- what the child does, asked by name ---------------------------------------------------------
-    async def _enqueue(self, prompt: list[int], params, adapter: str | None, request_id: str) -> None:
-        await self._remote("_enqueue", prompt, params, adapter, request_id)
+    async def _enqueue(self, request: EngineRequest) -> None:
+        await self._remote("_enqueue", request)
 
     def _release(self, request_id: str) -> None:
         self._post("_release", request_id)
