@@ -5,7 +5,8 @@
 On the demo model (deployments/demo_model.py) with the fleet benchmark's settings (FleetSpec: max_num_seqs,
 max_loaded_loras, rank-`adapter_rank` adapters on all seven projections; the engine's default LoRA budget and
 CPU token budget), one thread, workers.LLMEngine stepped directly:
-- decode steps at batch 1..16 with 1..4 distinct adapters (median of `repeats` steps each);
+- decode steps at batch 1..16 with 1..4 distinct adapters (the fastest of `repeats` steps each: the cost of the
+  step alone; what other processes take of the cores is the simulation's CPU-share model, not part of it);
 - prefill steps of one 8..128-token prompt;
 - an adapter's read from disk (files read and validated on the engine's load threads), and the step that copies
   a host-resident adapter into a device slot against the same step with it resident.
@@ -15,6 +16,7 @@ Fitted to step_s = base_s + per_seq_s * batch + per_adapter_s * distinct + per_p
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 import time
@@ -22,7 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import machine_info, write_result
+from benchmarks.common import RESULTS, machine_info, write_result
+from benchmarks.fleet_replica import StepCosts
 from benchmarks.fleet_workload import FLEET
 
 BATCHES = (1, 2, 4, 8, 12, 16)
@@ -49,7 +52,7 @@ def timed_step(engine) -> tuple[float, tuple[int, int]]:
 
 
 def decode_points(engine, repeats: int) -> list[tuple[int, int, float]]:
-    """(batch, distinct adapters, median decode step seconds)."""
+    """(batch, distinct adapters, fastest decode step seconds)."""
     from workers import SamplingParams
 
     params = SamplingParams(max_tokens=repeats + 8, temperature=0.0, ignore_eos=True, logprobs=False)
@@ -63,7 +66,7 @@ def decode_points(engine, repeats: int) -> list[tuple[int, int, float]]:
                     break
             times = [t for t, (decodes, prefill) in (timed_step(engine) for _ in range(repeats))
                      if decodes == batch and prefill == 0]
-            points.append((batch, distinct, statistics.median(times)))
+            points.append((batch, distinct, min(times)))
             for rid in ids:
                 engine.abort(rid)
             engine.step_deltas()
@@ -71,7 +74,7 @@ def decode_points(engine, repeats: int) -> list[tuple[int, int, float]]:
 
 
 def prefill_points(engine, repeats: int) -> list[tuple[int, float]]:
-    """(prompt tokens, median seconds of the step that prefills it, one adapter, nothing else running)."""
+    """(prompt tokens, fastest step that prefills it, one adapter, nothing else running)."""
     from workers import SamplingParams
 
     params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=False)
@@ -85,7 +88,7 @@ def prefill_points(engine, repeats: int) -> list[tuple[int, float]]:
             times.append(t)
             while engine.has_unfinished():
                 engine.step_deltas()
-        points.append((prompt, statistics.median(times)))
+        points.append((prompt, min(times)))
     return points
 
 
@@ -107,7 +110,7 @@ def slot_load_s(engine, adapters: list[Path], repeats: int) -> float:
             engine.add_request([9, 10, 11, 12], params, f"cal-{i}", detokenize=False)
         while engine.has_unfinished():
             engine.step_deltas()
-    return max(0.0, statistics.median(cold) - statistics.median(warm))
+    return max(0.0, min(cold) - min(warm))
 
 
 def disk_load_s(engine, adapters: list[Path]) -> float:
@@ -129,12 +132,21 @@ def fit(decode: list[tuple[int, int, float]], prefill: list[tuple[int, float]]) 
             "per_prefill_token_s": float(per_token), "prefill_offset_s": float(offset)}
 
 
+def calibrated_costs(path: Path = RESULTS / "fleet_calibration.json") -> StepCosts:
+    """The fit of a recorded calibration as the simulation's step costs (a negative slope read as none)."""
+    data = json.loads(path.read_text())
+    fit = data["fit"]
+    return StepCosts(base_s=fit["base_s"], per_seq_s=max(0.0, fit["per_seq_s"]),
+                     per_adapter_s=max(0.0, fit["per_adapter_s"]), per_prefill_token_s=fit["per_prefill_token_s"],
+                     slot_load_s=data["slot_load_s"], disk_load_s=data["disk_load_s"])
+
+
 def main(argv=None) -> dict:
     from deployments.demo_model import ensure_demo, write_adapter
     from transformers import AutoConfig
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args(argv)
     model, _ = ensure_demo()
     hf_config = AutoConfig.from_pretrained(model)

@@ -13,7 +13,12 @@ What it models, and where the rule comes from:
 - A step: every running decode gives one token, prefill chunks fill the rest of the token budget; a prompt's
   last chunk gives its first token. An adapter entering the step without a device slot (LRU of
   `max_loras_per_batch` slots) is copied in first (`slot_load_s`). Its time is the calibrated linear cost
-  (StepCosts), stretched by `cpu_share` when replicas share cores (the validation run on this machine).
+  (StepCosts) plus the serving work of the tokens it gives (`per_token_s`: the replica's streaming, Serve's
+  handle, the ingress and the proxy, which share the replicas' cores on this machine), stretched when replicas
+  share cores (fleet_sim.py `Scenario.cores`: the real benchmark's size on this machine).
+- Prefetch (deployments/routing/prefetch.py, lora/cache.py `prefetch`): a home adapter's read into free room, or
+  in place of the least recently used of the `victims` (adapters this replica is not the home of) that nothing
+  holds; never in place of another.
 """
 from __future__ import annotations
 
@@ -29,10 +34,12 @@ class StepCosts:
     per_prefill_token_s: float
     slot_load_s: float
     disk_load_s: float
+    per_token_s: float = 0.0     # serving work of each token a step gives, outside the engine
 
-    def step_s(self, seqs: int, adapters: int, prefill_tokens: int, slot_loads: int) -> float:
+    def step_s(self, seqs: int, adapters: int, prefill_tokens: int, slot_loads: int, tokens: int = 0) -> float:
         return (self.base_s + self.per_seq_s * seqs + self.per_adapter_s * adapters
-                + self.per_prefill_token_s * prefill_tokens + self.slot_load_s * slot_loads)
+                + self.per_prefill_token_s * prefill_tokens + self.slot_load_s * slot_loads
+                + self.per_token_s * tokens)
 
 
 @dataclass(frozen=True)
@@ -98,11 +105,19 @@ class Replica:
         self.cold_loads += 1
         return req.adapter if len(self.loading) == 1 else None
 
-    def prefetch(self, adapter: str) -> str | None:
+    def prefetch(self, adapter: str, victims: frozenset[str] = frozenset()) -> str | None:
         """A home adapter read ahead of requests (deployments/routing/prefetch.py); returns it if its load starts
-        now. Queued with the cold loads (the engine reads it on a load thread: this is the slower case)."""
+        now. Queued with the cold loads (the engine reads it on a load thread: this is the slower case). A full
+        cache first evicts the least recently used of `victims` that nothing holds, else nothing starts."""
         if adapter in self.host or adapter in self.blocked:
             return None
+        if len(self.host) + len(self.loading) >= self.spec.max_loaded_loras:
+            victim = next((a for a in self.host if a in victims and a not in self.uses and a not in self.queued),
+                          None)
+            if victim is None:
+                return None
+            del self.host[victim]
+            self.slots.pop(victim, None)
         self.blocked[adapter] = []
         self.loading.append(adapter)
         return adapter if len(self.loading) == 1 else None
@@ -188,7 +203,8 @@ class Replica:
         self.busy = True
         self.steps += 1
         self.adapters_per_step += len(self.uses)
-        return self.costs.step_s(self.decoding + len(chunks), len(self.uses), prefill_tokens, slot_loads)
+        tokens = self.decoding + sum(req.prefill_left == 0 for req, _ in chunks)
+        return self.costs.step_s(self.decoding + len(chunks), len(self.uses), prefill_tokens, slot_loads, tokens)
 
     def end_step(self, now: float) -> list[SimRequest]:
         """Tokens of the step: first tokens of finished prompts, decodes; returns the requests that ended."""

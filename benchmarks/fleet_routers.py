@@ -54,7 +54,7 @@ class Router:
         """The wait before the next try after `failures` rounds found no room (request_router.py:1244-1252)."""
         if failures <= 1:
             return 0.0
-        return min(INITIAL_BACKOFF_S * BACKOFF_MULTIPLIER ** (failures - 2), MAX_BACKOFF_S)
+        return min(INITIAL_BACKOFF_S * BACKOFF_MULTIPLIER ** min(failures - 2, 64), MAX_BACKOFF_S)   # 2**64: past max
 
 
 class AffinityRouting(Router):
@@ -70,6 +70,7 @@ class AffinityRouting(Router):
         self.homes: dict[int, list[str]] = {r.index: [] for r in replicas}
         for adapter in sorted(adapters):
             self.homes[int(home_of(adapter, ids))].append(adapter)
+        self.home_sets = {index: frozenset(homes) for index, homes in self.homes.items()}
         self.prefetch_fill = prefetch_fill
         self._prefetched_at = -stats_period_s
         self._stats: dict[int, dict] = {r.index: {} for r in replicas}
@@ -90,16 +91,20 @@ class AffinityRouting(Router):
                                | set(r.loading), loading=stats.get("loading", ()),
                                evicts_next=stats.get("evicts_next"), lora_budget=r.spec.max_loras_per_batch)
 
-    def prefetch_targets(self, now: float) -> list[tuple[object, str]]:
-        """What each replica's HomePrefetcher starts this period: home adapters not held, into the room left."""
+    def prefetch_targets(self, now: float) -> list[tuple[object, str, frozenset]]:
+        """What each replica's HomePrefetcher asks for this period (deployments/routing/prefetch.py `step`): home
+        adapters not held, up to `prefetch_fill` of the cache in home adapters, each in place of an adapter it is
+        not the home of (none in a device slot) when the cache is full."""
         if now - self._prefetched_at < self.stats_period_s:
             return []
         self._prefetched_at = now
         out = []
         for r in self.replicas:
-            room = int(r.spec.max_loaded_loras * self.prefetch_fill) - len(r.host) - len(r.loading)
-            wanted = [a for a in self.homes[r.index] if a not in r.host and a not in r.blocked][:max(0, room)]
-            out += [(r, a) for a in wanted]
+            homes, held = self.home_sets[r.index], set(r.host) | set(r.loading)
+            room = int(r.spec.max_loaded_loras * self.prefetch_fill) - len(held & homes)
+            wanted = [a for a in self.homes[r.index] if a not in held][:max(0, room)]
+            victims = frozenset(a for a in held if a not in homes and a not in r.slots)
+            out += [(r, a, victims) for a in wanted]
         return out
 
     def tiers(self, req) -> list[list[int]]:

@@ -1,17 +1,15 @@
 """A fleet simulation: 64 replicas x 10,000 adapters, our adapter-affinity routing against Serve's default.
 
-    .venv/bin/python -m benchmarks.fleet_sim [--only fleet|validate] [--phases steady-0.8,hotspot]
+    .venv/bin/python -m benchmarks.fleet_sim [--phases steady-0.8,hotspot]
 
 A discrete-event simulation in pure Python. The routers are the real classes, driven as Serve drives them
 (benchmarks/fleet_routers.py): ours is deployments.routing.policy.AffinityPolicy, which our Serve
 RequestRouter (deployments/routing/router.py) is a thin shell around; Serve's default is Ray 2.60's own
 PowerOfTwoChoicesRequestRouter. Replicas (benchmarks/fleet_replica.py) are modelled by their adapter loads,
-admission rule and step costs:
-- `validate`: the real fleet benchmark's size (benchmarks/fleet_workload.py FLEET, benchmarks/fleet.py), step
-  costs measured on this engine (benchmarks/fleet_calibration.py -> results/fleet_calibration.json), the
-  replicas sharing this machine's cores; its predictions beside results/fleet.json where that exists.
-- `fleet`: 64 replicas of an accelerator-sized replica (NPU_COSTS: assumed, see there) x 10,000 adapters,
-  Zipf 0.8 / 1.0 / 1.2, drift and hot-spot phases, each also served as a single adapter (the TTFT p99 baseline).
+admission rule and step costs: 64 replicas of an accelerator-sized replica (NPU_COSTS: assumed, see there) x
+10,000 adapters, Zipf 0.8 / 1.0 / 1.2, drift and hot-spot phases, each also served as a single adapter (the TTFT
+p99 baseline). benchmarks/fleet_validate.py runs this simulation at the real fleet benchmark's size, against a
+recorded run of it.
 Arrivals and lengths: the Azure LLM inference trace 2023 (benchmarks/fleet_workload.py, TRACE_CITATION).
 Writes results/fleet_sim.json and results/fleet_sim.md.
 """
@@ -22,14 +20,14 @@ import heapq
 import itertools
 import json
 import math
-import statistics
 import time
 from dataclasses import asdict, dataclass, replace
 
 from benchmarks.common import RESULTS, machine_info, write_result
+from benchmarks.fleet_cpu import SharedCpu
 from benchmarks.fleet_replica import Replica, ReplicaSpec, SimRequest, StepCosts
 from benchmarks.fleet_routers import AffinityRouting, ServeDefaultRouting
-from benchmarks.fleet_workload import FLEET, TRACE_CITATION, Phase, adapter_names, make_workload
+from benchmarks.fleet_workload import TRACE_CITATION, Phase, adapter_names, make_workload
 
 TICK_S = 0.1           # load samples and Serve's replica-set broadcasts
 WINDOW_S = 10.0        # imbalance: max / mean of the replicas' mean in-flight over 10 s windows (1 s apart)
@@ -54,8 +52,11 @@ class Scenario:
     duration_s: float
     warmup_s: float
     spec: ReplicaSpec
-    cores: float | None = None      # replicas share this many cores (None: one device each)
-    path_s: float = 0.0             # the serving path before a request reaches its replica's engine
+    cores: float | None = None      # steps and serving paths share this many cores (fleet_cpu.py); None: a device each
+    path_s: float = 0.0             # the serving path before a request reaches its engine (with `cores`: CPU work)
+    background_jobs: float = 0.0    # with `cores`: other processes' runnable threads, sharing the cores too
+    path_latency_s: float = 0.0     # the rest of the serving path, waiting rather than working
+    path_before_routing: float = 0.0   # the share of `path_s` done before the router chooses (proxy, ingress)
     lengths: tuple = ()             # make_workload's length arguments, as (name, value) pairs
 
 
@@ -76,14 +77,23 @@ class Simulation:
         self._order = itertools.count()
         self.samples: list[list[int]] = []     # in-flight per replica, every TICK_S
         self.cold_loads: list[float] = []      # when each cold load started
-        self.busy = 0
+        self.cpu = (SharedCpu(scenario.cores, lambda: self.now, self.at, scenario.background_jobs) if scenario.cores
+                    else None)
+
+    def set_costs(self, costs: StepCosts, path_s: float, path_latency_s: float, background_jobs: float) -> None:
+        """Costs from now on (benchmarks/fleet_validate.py: each replayed run has its own machine load)."""
+        for replica in self.replicas:
+            replica.costs = costs
+        self.scenario = replace(self.scenario, path_s=path_s, path_latency_s=path_latency_s,
+                                background_jobs=background_jobs)
+        self.cpu.set_background(background_jobs)
 
     def at(self, t: float, handler, *args) -> None:
         heapq.heappush(self.events, (t, next(self._order), handler, args))
 
     def run(self, requests: list[SimRequest]) -> list[SimRequest]:
         for req in requests:
-            self.at(req.at, self.route, req)
+            self.at(req.at, self.arrive, req)
         end = requests[-1].at if requests else 0.0
         self.at(0.0, self.tick, end)
         while self.events:
@@ -94,12 +104,15 @@ class Simulation:
     def tick(self, end: float) -> None:
         self.samples.append([r.in_flight for r in self.replicas])
         self.router.tick(self.now)
-        for replica, adapter in getattr(self.router, "prefetch_targets", lambda now: [])(self.now):
-            load = replica.prefetch(adapter)
+        for replica, adapter, victims in getattr(self.router, "prefetch_targets", lambda now: [])(self.now):
+            load = replica.prefetch(adapter, victims)
             if load is not None:
                 self.start_load(replica, load)
         if self.now < end or any(r.in_flight for r in self.replicas):
             self.at(self.now + TICK_S, self.tick, end)
+
+    def arrive(self, req: SimRequest) -> None:
+        self.after(self.scenario.path_s * self.scenario.path_before_routing, self.route, req)
 
     def route(self, req: SimRequest) -> None:
         req.attempts += 1
@@ -111,7 +124,17 @@ class Simulation:
         replica.in_flight += 1            # what Serve counts from the send on (the path included)
         req.replica, req.routed_at = chosen, self.now
         self.router.routed(req)
-        self.at(self.now + self.scenario.path_s, self.reach, replica, req)
+        self.after(self.scenario.path_s * (1 - self.scenario.path_before_routing), self.travel, replica, req)
+
+    def after(self, work_s: float, handler, *args) -> None:
+        """`handler(*args)` once `work_s` of work is done: on the shared cores, else on a device of its own."""
+        if self.cpu is not None:
+            self.cpu.start(work_s, handler, *args)
+        else:
+            self.at(self.now + work_s, handler, *args)
+
+    def travel(self, replica: Replica, req: SimRequest) -> None:
+        self.at(self.now + self.scenario.path_latency_s, self.reach, replica, req)
 
     def reach(self, replica: Replica, req: SimRequest) -> None:
         replica.in_flight -= 1
@@ -133,14 +156,9 @@ class Simulation:
     def maybe_step(self, replica: Replica) -> None:
         if replica.busy or not replica.has_work():
             return
-        step_s = replica.start_step()
-        self.busy += 1
-        if self.scenario.cores:   # processor sharing: busy replicas split the cores
-            step_s *= max(1.0, self.busy / self.scenario.cores)
-        self.at(self.now + step_s, self.step_done, replica)
+        self.after(replica.start_step(), self.step_done, replica)
 
     def step_done(self, replica: Replica) -> None:
-        self.busy -= 1
         for req in replica.end_step(self.now):
             self.router.completed(req)
         self.maybe_step(replica)
@@ -211,14 +229,6 @@ def simulate(scenario: Scenario, costs: StepCosts, router: str, phase: Phase, se
     return result
 
 
-def calibrated_costs(path=RESULTS / "fleet_calibration.json") -> StepCosts:
-    data = json.loads(path.read_text())
-    fit = data["fit"]
-    return StepCosts(base_s=fit["base_s"], per_seq_s=max(0.0, fit["per_seq_s"]),
-                     per_adapter_s=max(0.0, fit["per_adapter_s"]), per_prefill_token_s=fit["per_prefill_token_s"],
-                     slot_load_s=data["slot_load_s"], disk_load_s=data["disk_load_s"])
-
-
 def run_fleet(costs: StepCosts, phases: list[str], seed: int) -> dict:
     rows = {}
     for name in phases:
@@ -232,27 +242,6 @@ def run_fleet(costs: StepCosts, phases: list[str], seed: int) -> dict:
             rows[f"{name} {router}"] = result
             print(name, router, json.dumps({k: round(v, 3) for k, v in result.items()}), flush=True)
     return rows
-
-
-def validation_scenario(path_s: float) -> Scenario:
-    return Scenario(replicas=FLEET.replicas, num_adapters=FLEET.num_adapters, rate=FLEET.rate,
-                    duration_s=FLEET.duration_s, warmup_s=0.0, cores=2.0, path_s=path_s,
-                    spec=ReplicaSpec(max_num_seqs=FLEET.max_num_seqs, max_loras_per_batch=4,
-                                     max_loaded_loras=FLEET.max_loaded_loras, max_num_batched_tokens=128,
-                                     max_ongoing_requests=FLEET.max_ongoing_requests))
-
-
-def run_validation(path_s: float, seed: int) -> dict:
-    """The real benchmark's size, phase by phase, both routers; beside results/fleet.json where it exists."""
-    costs = calibrated_costs()
-    rows = {}
-    for name in ("steady-1.0",):
-        for router in ROUTERS:
-            rows[f"{name} {router}"] = simulate(validation_scenario(path_s), costs, router, PHASES[name], seed)
-            print("validate", name, router, json.dumps({k: round(v, 3) for k, v in rows[f"{name} {router}"].items()}))
-    real = RESULTS / "fleet.json"
-    return {"costs": asdict(costs), "path_s": path_s, "predicted": rows,
-            "real": json.loads(real.read_text()) if real.exists() else None}
 
 
 ACCEPT = (("hit_rate", ">=", 0.95), ("imbalance_p99", "<=", 1.2), ("cold_loads_per_replica_s", "<=", 0.5),
@@ -286,23 +275,17 @@ def markdown(result: dict) -> str:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", choices=("fleet", "validate"))
     parser.add_argument("--phases", default=",".join(PHASES))
-    parser.add_argument("--path-s", type=float, default=0.0, help="validation: serving-path latency per request")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     started = time.process_time()
     result = {"what": __doc__.split("\n\n")[0], "trace": TRACE_CITATION, "scenario": asdict(FLEET_SCENARIO),
               "npu_costs": asdict(NPU_COSTS)}
-    if args.only != "validate":
-        result["fleet"] = run_fleet(NPU_COSTS, args.phases.split(","), args.seed)
-    if args.only != "fleet":
-        result["validation"] = run_validation(args.path_s, args.seed)
+    result["fleet"] = run_fleet(NPU_COSTS, args.phases.split(","), args.seed)
     result["cpu_s"] = time.process_time() - started
     result["machine"] = machine_info()
     print(write_result("fleet_sim", result))
-    if "fleet" in result:
-        (RESULTS / "fleet_sim.md").write_text(markdown(result))
+    (RESULTS / "fleet_sim.md").write_text(markdown(result))
     return result
 
 

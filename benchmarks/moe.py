@@ -2,6 +2,8 @@
 
     .venv/bin/python -m benchmarks.moe [--dtype bfloat16] [--sizes '{"rounds": 3}']
     .venv/bin/python -m benchmarks.moe --shape '{"hidden_size": 1024, ...}' --no-peft   (another shape, ours only)
+    .venv/bin/python -m benchmarks.moe --kernel-ab   (ours only: the grouped expert GEMM, workers/models/cpu_moe.py,
+                                                      against one oneDNN GEMM per expert; results/moe_grouped_*)
 
 The checkpoint has Qwen3-30B-A3B's shape scaled down to fit here: top-8 routing over its 128 experts,
 its expert-to-hidden ratio (768 / 2048 = 0.375: hidden 1024, expert intermediate 384), its attention
@@ -12,7 +14,9 @@ target_parameters, made by PEFT itself so that PEFT loads them back). Workloads 
 requests, equal prompt lengths): base only, and 8 adapters uniformly mixed. Rounds alternate the runs
 (order rotated) and every ratio is taken within one round; medians over rounds are reported, per wall
 second and (ours) per CPU second of the process: with one thread on a machine shared with other jobs,
-the latter is what the work costs.
+the latter is what the work costs. --kernel-ab runs two of our engines instead, `before` built with the grouped
+expert GEMM off (LORASERVE_MOE_KERNEL=0's path: prepacked oneDNN weights, one GEMM per active expert) and `after`
+with it, alternating in the same rounds.
 """
 from __future__ import annotations
 
@@ -146,8 +150,23 @@ def _generate(model, ids, max_tokens):
                           min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
 
 
+def make_engines(model_dir: Path, dtype: str, sizes: Sizes, kernel_ab: bool) -> dict:
+    """{"ours": engine}, or for kernel_ab {"before": grouped expert GEMM off, "after": on} (chosen when each model
+    is prepacked; a model built with it off keeps oneDNN's packed per-expert weights)."""
+    from workers.models import cpu_moe
+
+    if not kernel_ab:
+        return {"ours": make_engine(model_dir, dtype, sizes)}
+    engines = {}
+    for name, enabled in (("before", False), ("after", True)):
+        cpu_moe.ENABLED = enabled
+        engines[name] = make_engine(model_dir, dtype, sizes)
+    cpu_moe.ENABLED = True
+    return engines
+
+
 def run(sizes: Sizes = FULL, dtype: str = "bfloat16", rounds: int | None = None, log=print,
-        shape: MoeShape = SHAPE, peft: bool = True) -> dict:
+        shape: MoeShape = SHAPE, peft: bool = True, kernel_ab: bool = False) -> dict:
     sizes = replace(sizes, num_requests=sizes.batch, shape=shape)   # one wave of `batch` requests
     set_threads(sizes.threads)
     rounds = rounds or sizes.peer_rounds
@@ -155,44 +174,53 @@ def run(sizes: Sizes = FULL, dtype: str = "bfloat16", rounds: int | None = None,
     paths = build_adapters(model_dir, 8, sizes.rank, dtype, shape)
     prompts = make_prompts(sizes)
     plans = {"base": [None] * sizes.batch, "eight": [f"lora-{i % 8:04d}" for i in range(sizes.batch)]}
-    engine = make_engine(model_dir, dtype, sizes)
-    for i, path in enumerate(paths):
-        engine.load_adapter(f"lora-{i:04d}", str(path))
-    peft = load_peft(model_dir, paths, dtype) if peft else None
-    for w in plans:   # warm-up of both systems, untimed
-        run_requests(engine, prompts, plans[w], 2)
+    engines = make_engines(model_dir, dtype, sizes, kernel_ab)
+    for engine in engines.values():
+        for i, path in enumerate(paths):
+            engine.load_adapter(f"lora-{i:04d}", str(path))
+    peft = load_peft(model_dir, paths, dtype) if peft and not kernel_ab else None
+    for engine in engines.values():   # warm-up of every system, untimed
+        for w in plans:
+            run_requests(engine, prompts, plans[w], 2)
     if peft is not None:
         run_peft(peft, prompts[:8], plans["eight"][:8], 2)
 
-    runs = [("ours", "eight"), ("ours", "base")] + ([("peft", "eight"), ("peft", "base")] if peft is not None else [])
+    runs = [(system, w) for system in engines for w in ("eight", "base")]
+    runs += [("peft", "eight"), ("peft", "base")] if peft is not None else []
     per_round = []
     for r in range(rounds):
         results = {}
         for system, w in runs[r % len(runs):] + runs[:r % len(runs)]:
-            if system == "ours":
+            if system in engines:
                 cpu = time.process_time()
-                t = run_requests(engine, prompts, plans[w], sizes.max_tokens)
-                results[f"ours_{w}"] = dict(t.summary(), cpu_tok_s=t.output_tokens / (time.process_time() - cpu))
+                t = run_requests(engines[system], prompts, plans[w], sizes.max_tokens)
+                results[f"{system}_{w}"] = dict(t.summary(), cpu_tok_s=t.output_tokens / (time.process_time() - cpu))
             else:
                 results[f"peft_{w}"] = run_peft(peft, prompts, plans[w], sizes.max_tokens)
             log(f"  round {r + 1}/{rounds} {system:>4} {w:>5}: {results[f'{system}_{w}']['output_tok_s']:7.1f} "
                 "out tok/s")
         per_round.append(results)
-    engine.close()
-    del engine, peft
+    for engine in engines.values():
+        engine.close()
+    del engines, peft
     gc.collect()
 
     def ratio(a, b, key="output_tok_s"):
         return median([x[a][key] / x[b][key] for x in per_round])
 
+    ours = "after" if kernel_ab else "ours"
     data = {"benchmark": "moe", "dtype": dtype, "shape": vars(shape), "sizes": sizes_dict(sizes),
             "machine": machine_info(),
             "output_tok_s": {key: median([x[key]["output_tok_s"] for x in per_round]) for key in per_round[0]},
-            "eight_over_base": ratio("ours_eight", "ours_base"),
-            "eight_over_base_decode": ratio("ours_eight", "ours_base", "decode_tok_s"),
+            "eight_over_base": ratio(f"{ours}_eight", f"{ours}_base"),
+            "eight_over_base_decode": ratio(f"{ours}_eight", f"{ours}_base", "decode_tok_s"),
             # per CPU second of this process (1 thread): what the work costs, whatever else the machine runs
-            "eight_over_base_cpu": ratio("ours_eight", "ours_base", "cpu_tok_s"),
+            "eight_over_base_cpu": ratio(f"{ours}_eight", f"{ours}_base", "cpu_tok_s"),
             "rounds": per_round}
+    if kernel_ab:
+        for w in ("base", "eight"):
+            for key, suffix in (("output_tok_s", ""), ("decode_tok_s", "_decode"), ("cpu_tok_s", "_cpu")):
+                data[f"after_over_before_{w}{suffix}"] = ratio(f"after_{w}", f"before_{w}", key)
     if "peft_base" in per_round[0]:
         data.update(ours_over_peft_eight=ratio("ours_eight", "peft_eight"), ours_over_peft_base=ratio("ours_base",
                                                                                                         "peft_base"))
@@ -200,17 +228,20 @@ def run(sizes: Sizes = FULL, dtype: str = "bfloat16", rounds: int | None = None,
 
 
 def main(argv=None) -> dict:
-    """--shape (JSON overrides of MoeShape; the result is named after its tag) and --no-peft (named *_ours), then
-    bench_main's."""
+    """--shape (JSON overrides of MoeShape; the result is named after its tag), --no-peft (named *_ours) and
+    --kernel-ab (named moe_grouped*), then bench_main's."""
     import argparse
 
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--shape", default=None)
     parser.add_argument("--no-peft", action="store_true")
+    parser.add_argument("--kernel-ab", action="store_true")
     args, rest = parser.parse_known_args(argv)
     shape = replace(SHAPE, **json.loads(args.shape)) if args.shape else SHAPE
-    name = "moe" + ("" if shape == SHAPE else f"_{shape.tag}") + ("_ours" if args.no_peft else "")
-    return bench_main(name, __doc__, lambda sizes, dtype: run(sizes, dtype, shape=shape, peft=not args.no_peft), rest)
+    name = ("moe_grouped" if args.kernel_ab else "moe") + ("" if shape == SHAPE else f"_{shape.tag}") + \
+        ("_ours" if args.no_peft and not args.kernel_ab else "")
+    return bench_main(name, __doc__, lambda sizes, dtype: run(sizes, dtype, shape=shape, peft=not args.no_peft,
+                                                              kernel_ab=args.kernel_ab), rest)
 
 
 if __name__ == "__main__":

@@ -7,8 +7,11 @@ the same int8 weights and scales are written as a compressed-tensors W8A8 int8 c
 wise symmetric int8 weights, dynamic per-token symmetric int8 activations: the same arithmetic),
 which vLLM's CPU build serves through its oneDNN int8 scaled-mm. Each system runs its float (bf16)
 and int8 checkpoints in processes of its own (benchmarks/peer_vllm.py's jobs), base model only,
-batches of 1, 8 and 32 requests (32 prompt tokens -> 32, greedy); output tok/s, ratios int8 / bf16
-per system, and greedy agreement between the two int8 engines.
+batches of 1, 8 and 32 requests (32 prompt tokens -> 32, greedy); ours int8 twice: on the engine's
+CPU kernel (the fused one where the CPU has AMX int8) and on the oneDNN path it replaced
+(`int8_onednn`: LORASERVE_W8A8_KERNEL=onednn in that job's environment). Output tok/s, ratios
+int8 / bf16 per system, ours / vLLM per dtype (within a round, medians over rounds), and greedy
+agreement between the int8 engines. Rounds alternate the job order.
 """
 from __future__ import annotations
 
@@ -61,7 +64,7 @@ def run(rounds: int, threads: int | None = None) -> dict:
     float_dir = build_checkpoint("bfloat16", sizes.shape)
     w8a8 = quantized_checkpoint(float_dir)
     models = {("vllm", "bf16"): float_dir, ("vllm", "int8"): compressed_tensors_copy(w8a8),
-              ("ours", "bf16"): float_dir, ("ours", "int8"): w8a8}
+              ("ours", "bf16"): float_dir, ("ours", "int8"): w8a8, ("ours", "int8_onednn"): w8a8}
     paths = build_adapters(1, sizes.shape, sizes.rank)
     prompts = make_prompts(sizes)
     samples, last = {k: [] for k in models}, {}
@@ -70,11 +73,15 @@ def run(rounds: int, threads: int | None = None) -> dict:
             spec = make_spec(models[key], "bfloat16", sizes, paths, enable_lora=False)
             spec["adapters"] = {}
             spec["workloads"] = {f"batch {b}": [[p, None] for p in prompts[:b]] for b in BATCHES}
+            if key[1] == "int8_onednn":
+                os.environ["LORASERVE_W8A8_KERNEL"] = "onednn"   # inherited by our job's process only
             try:
                 last[key] = run_job(key[0], spec)
             except RuntimeError as exc:   # recorded: whether and why vLLM cannot load the int8 checkpoint
                 last[key] = {"error": str(exc)[-1500:]}
                 continue
+            finally:
+                os.environ.pop("LORASERVE_W8A8_KERNEL", None)
             samples[key].append({w: j["output_tok_s"] for w, j in last[key]["workloads"].items()})
             print(key, samples[key][-1], flush=True)
     result = {"machine": machine_info(), "sizes": sizes_dict(sizes), "checkpoints": {f"{s} {d}": str(p)
@@ -90,9 +97,20 @@ def run(rounds: int, threads: int | None = None) -> dict:
         else:
             result[system] = {"error": next((v["error"] for k, v in last.items() if k[0] == system and "error" in v),
                                             "no run")}
-    if "workloads" in last.get(("vllm", "int8"), {}) and "workloads" in last.get(("ours", "int8"), {}):
-        same, total = agreement(last[("ours", "int8")], last[("vllm", "int8")])
-        result["int8_greedy_tokens_equal_ours_vs_vllm"] = f"{same}/{total}"
+    if samples[("ours", "int8_onednn")]:
+        result["ours"]["int8_onednn_tok_s"] = {f"batch {b}": round(median([s[f"batch {b}"] for s in
+                                                                           samples[("ours", "int8_onednn")]]), 1)
+                                               for b in BATCHES}
+    rounds_done = min(len(v) for v in samples.values())
+    if rounds_done:   # ours / vLLM within each round (the same machine state), medians over rounds
+        result["ours / vllm"] = {f"batch {b}": {
+            f"{ours} / vllm {theirs}": round(median([o[f"batch {b}"] / v[f"batch {b}"] for o, v in
+                                                     zip(samples[("ours", ours)], samples[("vllm", theirs)])]), 3)
+            for ours, theirs in (("int8", "int8"), ("int8_onednn", "int8"), ("bf16", "bf16"))} for b in BATCHES}
+    for ours in ("int8", "int8_onednn"):
+        if "workloads" in last.get(("vllm", "int8"), {}) and "workloads" in last.get(("ours", ours), {}):
+            same, total = agreement(last[("ours", ours)], last[("vllm", "int8")])
+            result[f"{ours}_greedy_tokens_equal_ours_vs_vllm"] = f"{same}/{total}"
     return result
 
 

@@ -24,30 +24,45 @@ PARTS = ("base_linear", "attention", "lora", "sampling")
 
 @contextmanager
 def timed_parts(totals: dict):
-    """Patch the hot functions to add their wall time to totals[part]; restored on exit."""
+    """Patch the hot functions of the parts named in `totals` to add their wall time to totals[part]; restored
+    on exit. Parts: base_linear, attention, lora, sampling; and, for benchmarks/step_profile.py, elementwise (the
+    norms, rope + KV write, SiLU-and-mul: the work of workers/cpu_ops.c) and forward (the whole decode forward,
+    its input buffers included)."""
+    import workers.graph_runner as graph_runner
     import workers.models.llama as llama
     import workers.parallel as parallel
     import workers.runner as runner
     from lora.backends.base import LayerLoRA
 
+    depth = dict.fromkeys(totals, 0)
+
     def wrap(fn, part):
         def timed(*args, **kwargs):
+            depth[part] += 1   # a part's functions may call each other (the torch q/k norm inside rope's inputs)
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                totals[part] += time.perf_counter() - start
+                depth[part] -= 1
+                if not depth[part]:
+                    totals[part] += time.perf_counter() - start
         return timed
 
     # Every backend binds each wrapped layer's op once, at start, as a LayerLoRA (lora/backends/base.py): its
     # call is where a step's LoRA maths runs, whatever backend and kernel (patching lora.ops' functions missed
     # the ops already bound: they reported 0).
     patches = [(parallel, "linear", "base_linear"), (llama, "paged_attention", "attention"),
-               (LayerLoRA, "__call__", "lora"), (runner, "sample", "sampling")]
-    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+               (LayerLoRA, "__call__", "lora"), (runner, "sample", "sampling"),
+               (llama.RMSNorm, "forward", "elementwise"), (llama.RMSNorm, "add_and_norm", "elementwise"),
+               (llama.Attention, "attention_inputs", "elementwise"), (llama.MLP, "act", "elementwise"),
+               (graph_runner.GraphRunner, "decode", "forward")]
+    patches = [patch for patch in patches if patch[2] in totals]
+    saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
     try:
         for owner, name, part in patches:
-            setattr(owner, name, wrap(getattr(owner, name), part))
+            fn = owner.__dict__[name]   # MLP.act is a staticmethod: wrapped as one
+            timed = wrap(fn.__func__ if isinstance(fn, staticmethod) else fn, part)
+            setattr(owner, name, staticmethod(timed) if isinstance(fn, staticmethod) else timed)
         yield totals
     finally:
         for owner, name, fn in saved:

@@ -3,15 +3,20 @@
     .venv/bin/python -m benchmarks.quantized [--sizes '{"rounds": 3}']
 
 The bench checkpoint (benchmarks/checkpoint.py, bf16) and its W8A8_DYNAMIC copy written by
-`loraserve quantize` (workers/quant/writer.py). Four engines, one per variant, live together:
-bf16 and fp32 (the float checkpoint; fp32 is what the CPU targets without bf16 instructions run)
-and w8a8 with bf16 or fp32 activations. Each round runs every (batch, workload) on every variant,
-the variant order rotated per round; ratios are taken within a round, medians over rounds.
+`loraserve quantize` (workers/quant/writer.py). Five engines, one per variant, live together:
+bf16 and fp32 (the float checkpoint; fp32 is what the CPU targets without bf16 instructions run),
+w8a8 with bf16 or fp32 activations on the engine's CPU kernel (the fused one where the CPU has AMX
+int8: workers/quant/cpu_w8a8.c), and w8a8_bf16_onednn, bf16 activations on the oneDNN path the fused
+kernel replaced (LORASERVE_W8A8_KERNEL=onednn while that engine is built): before vs after in one run
+(their greedy tokens must be identical: the same arithmetic). Each round runs every (batch, workload)
+on every variant, the variant order rotated per round; ratios are taken within a round, medians over
+rounds.
 Greedy agreement of W8A8 with the float model (same prompts, base and adapters) is recorded too.
 """
 from __future__ import annotations
 
 import gc
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,7 +27,19 @@ from benchmarks.common import (FULL, Sizes, machine_info, make_engine, make_prom
 BATCHES = (1, 8, 32)
 WORKLOADS = ("base", "eight")
 VARIANTS = {"bf16": ("float", "bfloat16"), "fp32": ("float", "float32"),
-            "w8a8_bf16": ("w8a8", "bfloat16"), "w8a8_fp32": ("w8a8", "float32")}
+            "w8a8_bf16": ("w8a8", "bfloat16"), "w8a8_fp32": ("w8a8", "float32"),
+            "w8a8_bf16_onednn": ("w8a8", "bfloat16")}
+
+
+def build_engine(variant: str, model_dir: Path, act_dtype: str, sizes: Sizes):
+    """The variant's engine; the W8A8 kernel is chosen as the model is built (workers/quant/kernels.py)."""
+    if not variant.endswith("_onednn"):
+        return make_engine(model_dir, act_dtype, sizes)
+    os.environ["LORASERVE_W8A8_KERNEL"] = "onednn"
+    try:
+        return make_engine(model_dir, act_dtype, sizes)
+    finally:
+        del os.environ["LORASERVE_W8A8_KERNEL"]
 
 
 def quantized_checkpoint(float_dir: Path) -> Path:
@@ -42,7 +59,7 @@ def run(sizes: Sizes) -> dict:
     adapters = build_adapters(8, sizes.shape, sizes.rank)
     engines = {}
     for variant, (kind, act_dtype) in VARIANTS.items():
-        engines[variant] = make_engine(dirs[kind], act_dtype, replace(sizes, batch=max(BATCHES)))
+        engines[variant] = build_engine(variant, dirs[kind], act_dtype, replace(sizes, batch=max(BATCHES)))
         for i, path in enumerate(adapters):
             engines[variant].load_adapter(f"lora-{i}", str(path))
     memory = {v: weight_bytes(e) for v, e in engines.items()}
@@ -75,10 +92,14 @@ def run(sizes: Sizes) -> dict:
     table = {f"batch {b}, {w}": {"tok_s": {v: round(median(tok_s[(v, b, w)]), 1) for v in VARIANTS},
                                   "w8a8_bf16 / bf16": round(ratio("w8a8_bf16", "bf16", b, w), 3),
                                   "w8a8_fp32 / fp32": round(ratio("w8a8_fp32", "fp32", b, w), 3),
-                                  "w8a8_bf16 / fp32": round(ratio("w8a8_bf16", "fp32", b, w), 3)}
+                                  "w8a8_bf16 / fp32": round(ratio("w8a8_bf16", "fp32", b, w), 3),
+                                  "w8a8_bf16 / w8a8_bf16_onednn": round(ratio("w8a8_bf16", "w8a8_bf16_onednn", b,
+                                                                              w), 3),
+                                  "w8a8_bf16_onednn / bf16": round(ratio("w8a8_bf16_onednn", "bf16", b, w), 3)}
              for b in BATCHES for w in WORKLOADS}
     agreement = {f"{q} vs {f}": _agreement(tokens[q], tokens[f]) for q, f in (("w8a8_bf16", "bf16"),
-                                                                              ("w8a8_fp32", "fp32"))}
+                                                                              ("w8a8_fp32", "fp32"),
+                                                                              ("w8a8_bf16", "w8a8_bf16_onednn"))}
     return {"machine": machine_info(), "sizes": sizes_dict(sizes), "checkpoints": {k: str(p) for k, p in dirs.items()},
             "weight_bytes": memory,
             "weight_memory_w8a8_over_bf16": {k: round(memory["w8a8_bf16"][k] / memory["bf16"][k], 3)

@@ -103,7 +103,7 @@ def section(data: dict) -> str:
     lines = ["### The serving path: HTTP through Serve against the engine alone", "",
              f"benchmarks/serving_path.py: {len(data['rounds'])} rounds, variants alternated in each; "
              f"{data['num_requests']} streamed requests per rate, Poisson arrivals, 8 adapters, bench checkpoint "
-             "bf16, the settings of benchmarks/common.py, the Ray settings of README \"Ray settings\". HTTP = as "
+             "bf16, the settings of benchmarks/common.py, the Ray settings of docs/deployment.md \"Ray settings\". HTTP = as "
              "served: the replica's engine in a process of its own (`engine_process`); engine thread = "
              "`--no-engine-process`. The engine alone is the replica's engine (the same LLMConfig: one core left "
              "to Serve, `cpu_reserved_cores`) on a thread of the benchmark; the last columns set it on every "

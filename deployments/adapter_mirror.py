@@ -6,7 +6,8 @@ next heartbeat is due (`sync_interval_s`): a long poll, so a change reaches
 every replica at once and an idle app costs one report a period. On a change
 it unloads adapters that were removed and reloads those whose source changed,
 or whose weights another replica's hot-load found changed at the same source
-(the registry's revision). A replica started later by
+(the adapter version the registry holds: the content digest of what that
+hot-load read, lora/ref.py). A replica started later by
 autoscaling reads the same registry, so it serves every hot-loaded adapter.
 A hot-load or unload returns only once every live replica has applied it
 (bounded wait), so "unloaded" means unloaded everywhere. While the registry
@@ -39,9 +40,9 @@ class AdapterMirror:
         self._stats = stats
         self.version = -1
         self.sources: dict[str, str] = {}
-        self.revisions: dict[str, int] = {}  # the registry's: bumped when a source's weights were renewed
+        self.versions: dict[str, str] = {}  # the registry's: name -> the weights its last hot-load read
         self.loaded = dict(loaded)          # name -> source, as registered in this replica's engine
-        self.loaded_revisions: dict[str, int] = {}   # name -> the revision this engine read it at
+        self.loaded_versions: dict[str, str | None] = {}   # name -> the registry's version when this engine read it
         self._lock = asyncio.Lock()         # one adapter change at a time in this engine
         self._sync_lock = asyncio.Lock()
 
@@ -71,7 +72,7 @@ class AdapterMirror:
                 return None
             start = time.perf_counter()
             await self.engine.load_adapter(name, source)
-            self.loaded[name], self.loaded_revisions[name] = source, self.revisions.get(name, 0)
+            self.loaded[name], self.loaded_versions[name] = source, self.versions.get(name)
             return time.perf_counter() - start
 
     async def load(self, name: str, source: str) -> tuple[float, str]:
@@ -87,13 +88,12 @@ class AdapterMirror:
                 raise AdapterError(str(exc)) from exc
             self.loaded[name] = source
             seconds = time.perf_counter() - start
+            digest = (await self.engine.stats())["lora"]["versions"][name]
+            self.loaded_versions[name] = digest
         # not published (the registry is down): the next sync unloads it here again, as it is not registered.
-        # "replaced" from an unchanged source means its files changed: a new revision makes every other
-        # replica read them again; this one has just read them at that revision
-        renewed = status == "replaced"
-        version, revision = await self.registry.call(lambda registry: registry.register.remote(name, source, renewed))
-        if self.loaded.get(name) == source:
-            self.loaded_revisions[name] = revision
+        # Other weights from an unchanged source (its files changed): the new version makes every other replica
+        # read them again
+        version = await self.registry.call(lambda registry: registry.register.remote(name, source, digest))
         await self._until_applied(version)
         return seconds, status
 
@@ -116,8 +116,8 @@ class AdapterMirror:
         async with self._sync_lock:   # two overlapping syncs could apply an older snapshot last
             current = await self._report()
             if current != self.version:
-                version, sources, revisions = await self.registry.call(lambda registry: registry.snapshot.remote())
-                await self._apply(sources, revisions)
+                version, sources, versions = await self.registry.call(lambda registry: registry.snapshot.remote())
+                await self._apply(sources, versions)
                 self.version = version
                 await self._report()
 
@@ -131,23 +131,23 @@ class AdapterMirror:
         except Exception as exc:  # noqa: BLE001  (a dead engine still reports, as unhealthy)
             return {"healthy": False, "error": repr(exc)}
 
-    async def _apply(self, sources: dict[str, str], revisions: dict[str, int]) -> None:
+    async def _apply(self, sources: dict[str, str], versions: dict[str, str]) -> None:
         async with self._lock:
             for name, old in list(self.loaded.items()):
-                new, revision = sources.get(name), revisions.get(name, 0)
-                if new == old and revision == self.loaded_revisions.get(name, 0):
+                new, version = sources.get(name), versions.get(name)
+                if new == old and version in (None, self.loaded_versions.get(name)):
                     continue
                 self.loaded.pop(name)
-                self.loaded_revisions.pop(name, None)
+                self.loaded_versions.pop(name, None)
                 try:
                     if new is None:
                         await self.engine.unload_adapter(name)   # running requests keep their weights
                     else:
                         await self.engine.load_adapter(name, new)
-                        self.loaded[name], self.loaded_revisions[name] = new, revision
+                        self.loaded[name], self.loaded_versions[name] = new, version
                 except AdapterError:
                     pass     # a bad new source, or old weights still in use: the next request retries
-            self.sources, self.revisions = sources, revisions
+            self.sources, self.versions = sources, versions
 
     async def run(self) -> None:
         """The replica's background task: sync, then wait for a change or the next heartbeat, forever (errors

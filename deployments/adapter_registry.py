@@ -60,9 +60,10 @@ class AdapterRegistry:
     def __init__(self, app_name: str, key: str, sync_interval_s: float, app_check_s: float = APP_CHECK_S):
         self._app_name, self._key, self._app_check_s = app_name, key, app_check_s
         self._sources: dict[str, str] = {}
-        # name -> how often its weights were renewed: a hot-load that read other weights from the same
-        # source bumps it, so every replica re-reads that source (a source string alone would not change)
-        self._revisions: dict[str, int] = {}
+        # name -> the version (content digest, lora/ref.py) its last hot-load read: a hot-load that read other
+        # weights from the same source changes it, so every replica re-reads that source (a source string alone
+        # would not change); none for a configured adapter not hot-loaded since (whatever its source holds)
+        self._versions: dict[str, str] = {}
         self._seeded: set[tuple[str, str]] = set()
         self._version = 0
         self._bumped = asyncio.Event()   # set (and replaced) at every change: what `changes` waits on
@@ -74,7 +75,7 @@ class AdapterRegistry:
         if saved is not None:   # a restart: the state as of the last acknowledged change
             state = json.loads(saved)
             self._sources, self._version = state["sources"], state["version"]
-            self._revisions = state.get("revisions", {})
+            self._versions = state.get("versions", {})
             self._seeded = {tuple(item) for item in state["seeded"]}
         # after a restart, wait_applied first lets every live replica report once (replicas are not persisted)
         self._settled_at = time.monotonic() + (3 * sync_interval_s if saved is not None else 0.0)
@@ -86,7 +87,7 @@ class AdapterRegistry:
         self._bumped = asyncio.Event()
 
     def _save(self) -> None:
-        state = {"version": self._version, "sources": self._sources, "revisions": self._revisions,
+        state = {"version": self._version, "sources": self._sources, "versions": self._versions,
                  "seeded": sorted(self._seeded)}
         internal_kv._internal_kv_put(self._key, json.dumps(state), overwrite=True, namespace=NAMESPACE)
 
@@ -104,21 +105,19 @@ class AdapterRegistry:
             self._save()
         return self._version
 
-    async def register(self, name: str, source: str, renewed: bool = False) -> tuple[int, int]:
-        """(version, the name's revision); `renewed`: the caller read other weights than the registered
-        ones from this same source."""
-        if self._sources.get(name) != source or renewed:
-            self._sources[name] = source
-            self._revisions[name] = self._revisions.get(name, 0) + 1
+    async def register(self, name: str, source: str, version: str) -> int:
+        """The registry's version after `name` was hot-loaded from `source`, its weights' digest `version`."""
+        if self._sources.get(name) != source or self._versions.get(name) != version:
+            self._sources[name], self._versions[name] = source, version
             self._bump()
             self._save()
-        return self._version, self._revisions.get(name, 0)
+        return self._version
 
     async def unregister(self, name: str) -> int | None:
         """The new version, or None for a name that is not registered."""
         if self._sources.pop(name, None) is None:
             return None
-        self._revisions.pop(name, None)
+        self._versions.pop(name, None)
         self._bump()
         self._save()
         return self._version
@@ -126,9 +125,9 @@ class AdapterRegistry:
     async def lookup(self, name: str) -> str | None:
         return self._sources.get(name)
 
-    async def snapshot(self) -> tuple[int, dict[str, str], dict[str, int]]:
-        """(version, name -> source, name -> revision)."""
-        return self._version, dict(self._sources), dict(self._revisions)
+    async def snapshot(self) -> tuple[int, dict[str, str], dict[str, str]]:
+        """(version, name -> source, name -> adapter version: the content digest its last hot-load read)."""
+        return self._version, dict(self._sources), dict(self._versions)
 
     async def report(self, replica_id: str, applied_version: int, stats: dict) -> int:
         """A replica's heartbeat: what it has applied, and its stats; returns the current version."""

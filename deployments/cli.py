@@ -53,10 +53,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     run.add_argument("--replicas", type=int, default=1, help="LLMServer replicas")
     run.add_argument("--routing", default="adapter-affinity", choices=["adapter-affinity", "multiplex"],
                      help="how requests pick a replica: adapter home sets with bounded load (default), or Serve's "
-                          "multiplexed routing (README: Routing)")
+                          "multiplexed routing (docs/routing.md)")
     run.add_argument("--max-lora-rank", type=int, default=64)
     run.add_argument("--max-loras-per-batch", type=int, default=8,
-                     help="distinct adapters a step runs (default 8: README, Scheduling)")
+                     help="distinct adapters a step runs (default 8: docs/scheduling.md)")
     run.add_argument("--max-loaded-loras", type=int, default=16)
     run.add_argument("--max-model-len", type=int, default=None)
     run.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoding at once per replica")
@@ -74,7 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      help="reuse the KV of prompt prefixes seen before, per adapter (default: on)")
     run.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                      help="a thinking model's reasoning apart from its answer (message.reasoning_content), and a "
-                          "response_format / tools grammar applied after it (vLLM's flag; README: Reasoning)")
+                          "response_format / tools grammar applied after it (vLLM's flag; docs/structured-output.md)")
     run.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                      help="the engine in a process of its own beside each replica (TP=1; vLLM's EngineCore)")
     run.add_argument("--host", default="127.0.0.1")
@@ -85,7 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     run.add_argument("--placement-timeout", type=float, default=30.0, metavar="SECONDS",
                      help="fail the start when a replica cannot be placed within this (0: wait forever, e.g. "
                           "for a cluster autoscaler); one that no node could ever hold fails at once")
-    security = run.add_argument_group("security (README: Security)")
+    security = run.add_argument_group("security (docs/security.md)")
     security.add_argument("--api-key", default=None, metavar="KEY",
                           help="require 'Authorization: Bearer KEY' on /v1/* (default: "
                                "$LORASERVE_API_KEY; unset = no authentication)")
@@ -96,7 +96,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     security.add_argument("--adapter-root", action="append", default=[], metavar="DIR",
                           help="a directory hot-loaded adapters may come from; repeatable (default: any)")
     quantize = commands.add_parser("quantize", help="write a W8A8_DYNAMIC copy of a 16/32-bit checkpoint "
-                                   "(msModelSlim's AscendV1 layout; README: Quantized models)")
+                                   "(msModelSlim's AscendV1 layout; docs/w8a8.md)")
     quantize.add_argument("src", help="the float checkpoint directory")
     quantize.add_argument("dst", help="the new directory (must not exist or be empty)")
     args = parser.parse_args(argv)

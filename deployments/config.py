@@ -42,7 +42,7 @@ class LLMConfig(BaseModel):
     # EngineConfig fields (device, tensor_parallel_size, max_model_len, max_num_seqs, the LoRA limits,
     # adapter_roots: local adapter dirs hot-load may read, ...); their defaults are EngineConfig's
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
-    # the HTTP edge (README "Security")
+    # the HTTP edge (docs/security.md)
     api_key: SecretStr | None = None               # Bearer key for /v1/*; default $LORASERVE_API_KEY
     # /metrics needs the key too (default: open, as vLLM's, for Prometheus; it shows counts and adapter names)
     metrics_require_api_key: bool = False
@@ -53,7 +53,7 @@ class LLMConfig(BaseModel):
     autoscaling_config: dict[str, Any] | None = None
     max_ongoing_requests: int = Field(64, ge=1)
     max_num_models_per_replica: int | None = None  # adapters kept warm per replica; default max_loaded_loras
-    # How requests pick a replica (README "Routing"): "adapter-affinity" (deployments/routing/: home sets by
+    # How requests pick a replica (docs/routing.md): "adapter-affinity" (deployments/routing/: home sets by
     # rendezvous hashing, sized to demand, bounded load) or "multiplex" (Serve's default multiplexed routing)
     routing: Literal["adapter-affinity", "multiplex"] = "adapter-affinity"
     routing_options: dict[str, Any] = Field(default_factory=dict)   # AffinityPolicy's knobs, by name

@@ -10,7 +10,7 @@ Text before the first block is the message's content. A block whose JSON is not 
 `name`, `arguments` not an object) stays content, as written. One parser serves both paths: the whole
 text fed at once (`parse_tool_calls`) or piece by piece as a stream produces it (`ToolCallParser`),
 holding back only what may be the start of `<tool_call>`. Another model family's format is another
-parser with the same two methods, chosen by the deployment (README: Tool calling).
+parser with the same two methods, chosen by the deployment (docs/structured-output.md).
 """
 from __future__ import annotations
 

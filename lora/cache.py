@@ -1,4 +1,4 @@
-"""Host-memory LRU cache of loaded adapters, and the registry of adapter names.
+"""Host-memory LRU cache of loaded adapter versions, and where each is read from.
 
 The engine's step loop calls `ensure` / `acquire` / `release`; loads run in a
 background executor and insert on completion, so one lock guards all state and
@@ -9,15 +9,16 @@ effect for it at the last `release`.
 from __future__ import annotations
 
 import collections
-import itertools
 import concurrent.futures
 import threading
 import time
-from typing import Callable, Collection
+from typing import Callable, Collection, Hashable
 
 from lora.adapter import LoRAAdapter
 from lora.errors import AdapterError, AdapterLoadTimeoutError, AdapterNotFoundError
 
+# a cached adapter: one version of its weights (lora/ref.py AdapterRef; tests use plain names); str() names it
+Key = Hashable
 RECENT_LOADS = 64  # latencies kept for stats(); enough for a histogram per scrape
 LOAD_THREADS = 4
 
@@ -29,7 +30,7 @@ class HostAdapterCache:
     a closure over `lora.adapter.load_adapter`); it may pin host memory.
     """
 
-    def __init__(self, capacity: int, load_fn: Callable[[str, str], LoRAAdapter],
+    def __init__(self, capacity: int, load_fn: Callable[[Key, str], LoRAAdapter],
                  executor: concurrent.futures.Executor | None = None, load_timeout_s: float | None = None):
         assert capacity >= 1, capacity
         self.capacity = capacity
@@ -41,39 +42,25 @@ class HostAdapterCache:
         self._executor = executor or concurrent.futures.ThreadPoolExecutor(
             max_workers=LOAD_THREADS, thread_name_prefix="lora-load")
         self._lock = threading.Lock()
-        self._sources: dict[str, str] = {}
-        self._pinned: set[str] = set()
-        self._resident: collections.OrderedDict[str, LoRAAdapter] = collections.OrderedDict()
-        self._refs: dict[str, int] = {}
-        self._orphans: dict[str, str] = {}           # unregistered, still referenced: name -> source
-        self._loading: dict[str, tuple[object, float]] = {}   # name -> (token, start) of the load in flight
-        self._failed: dict[str, AdapterError] = {}   # name -> error of the last background load
+        self._sources: dict[Key, str] = {}
+        self._pinned: set[Key] = set()
+        self._resident: collections.OrderedDict[Key, LoRAAdapter] = collections.OrderedDict()
+        self._refs: dict[Key, int] = {}
+        self._orphans: set[Key] = set()              # unregistered, still referenced
+        self._loading: dict[Key, tuple[object, float]] = {}   # name -> (token, start) of the load in flight
+        self._failed: dict[Key, AdapterError] = {}   # name -> error of the last background load
         self._counts = dict(hits=0, misses=0, loads=0, evictions=0, load_failures=0)
         self._load_seconds_total = 0.0
         self._recent_load_seconds: collections.deque[float] = collections.deque(maxlen=RECENT_LOADS)
-        # name -> id of its resident copy's read from disk, new at every read: what other processes
-        # keyed by it (tensor-parallel ranks) must read again to hold the same weights
-        self._load_ids: dict[str, int] = {}
-        self._next_load_id = itertools.count(1)
 
     # -- registry ---------------------------------------------------------
 
-    def register(self, name: str, source: str, pinned: bool = False) -> None:
-        """Make `name` known. Same source again: only the pinned flag changes.
-
-        A different source replaces the old one (and drops its weights) unless
-        the old weights are referenced by running requests.
-        """
+    def register(self, name: Key, source: str, pinned: bool = False) -> None:
+        """Make `name` known, or change where it is read from and whether it is pinned. A name is one version
+        of an adapter's weights (lora/ref.py): its resident copy, and a running request's, stays valid
+        whatever the source, as a page-in from another source is checked to read the same weights."""
         with self._lock:
-            previous = self._sources.get(name, self._orphans.get(name))
-            if previous is not None and previous != source:
-                if self._refs.get(name, 0) > 0:
-                    raise AdapterError(
-                        f"adapter {name!r}: cannot register source {source!r} while the weights "
-                        f"of {previous!r} are used by {self._refs[name]} running request(s)")
-                self._resident.pop(name, None)
-                self._loading.pop(name, None)
-            self._orphans.pop(name, None)  # same source: running requests' weights are adopted
+            self._orphans.discard(name)  # running requests' weights are adopted
             self._failed.pop(name, None)
             self._sources[name] = source
             if pinned:
@@ -81,43 +68,26 @@ class HostAdapterCache:
             else:
                 self._pinned.discard(name)
 
-    def unregister(self, name: str) -> None:
+    def unregister(self, name: Key) -> None:
         """Forget `name`; referenced weights stay until their last `release`."""
         with self._lock:
-            source = self._source_of(name)
+            self._source_of(name)   # not registered: AdapterNotFoundError
             del self._sources[name]
             self._pinned.discard(name)
             self._loading.pop(name, None)
             self._failed.pop(name, None)
             if self._refs.get(name, 0) > 0:
-                self._orphans[name] = source
+                self._orphans.add(name)
             else:
                 self._resident.pop(name, None)
 
-    def is_registered(self, name: str) -> bool:
+    def is_registered(self, name: Key) -> bool:
         with self._lock:
             return name in self._sources
 
-    def load_id(self, name: str) -> int:
-        """Which read of `name`'s files the resident copy is (0: never read); changes with every read."""
-        with self._lock:
-            return self._load_ids.get(name, 0)
-
-    def source(self, name: str) -> str:
-        """Where `name` was read from, registered or still referenced after unregistering."""
-        with self._lock:
-            source = self._sources.get(name, self._orphans.get(name))
-        if source is None:
-            raise AdapterNotFoundError(f"adapter {name!r}: not registered")
-        return source
-
-    def registered(self) -> dict[str, str]:
-        with self._lock:
-            return dict(self._sources)
-
     # -- loading ----------------------------------------------------------
 
-    def load_now(self, name: str, preloaded: tuple[LoRAAdapter, float] | None = None) -> LoRAAdapter:
+    def load_now(self, name: Key, preloaded: tuple[LoRAAdapter, float] | None = None) -> LoRAAdapter:
         """Load synchronously (or return the resident copy); load_fn's errors propagate.
 
         `preloaded`: (adapter, seconds) read already by `read` (off the caller's thread), inserted as is.
@@ -139,7 +109,7 @@ class HostAdapterCache:
         with self._lock:
             return self._insert(name, source, *preloaded) or preloaded[0]
 
-    def read(self, name: str, source: str) -> concurrent.futures.Future:
+    def read(self, name: Key, source: str) -> concurrent.futures.Future:
         """Read and validate `source` on the load threads, without registering it: (adapter, seconds)."""
         def run():
             start = time.perf_counter()
@@ -151,7 +121,7 @@ class HostAdapterCache:
                 raise
         return self._executor.submit(run)
 
-    def ensure(self, name: str) -> bool:
+    def ensure(self, name: Key) -> bool:
         """True if resident; else start one background load and return False.
 
         Raises the error of the last failed background load once; the next
@@ -172,15 +142,16 @@ class HostAdapterCache:
                     return False
                 del self._loading[name]   # given up on: its result, if it ever comes, is dropped
                 self._counts["load_failures"] += 1
-                raise AdapterLoadTimeoutError(f"adapter {name!r}: loading took longer than {self.load_timeout_s:g}s "
-                                   f"(adapter_load_timeout_s); the next request retries")
+                raise AdapterLoadTimeoutError(f"adapter {str(name)!r}: loading took longer than "
+                                              f"{self.load_timeout_s:g}s (adapter_load_timeout_s); the next request "
+                                              "retries")
             self._counts["misses"] += 1
             token = object()
             self._loading[name] = (token, time.monotonic())
         self._submit(name, source, token)
         return False
 
-    def prefetch(self, name: str, victims: Collection[str] = ()) -> bool:
+    def prefetch(self, name: Key, victims: Collection[Key] = ()) -> bool:
         """Start a background load of a registered adapter neither resident nor loading; True if one started.
         No request asked for it, so it counts no miss. With the cache full it first evicts the least recently
         used of `victims` that nothing holds, and starts nothing if there is none: it never evicts another."""
@@ -200,7 +171,7 @@ class HostAdapterCache:
         self._submit(name, source, token)
         return True
 
-    def _submit(self, name: str, source: str, token: object) -> None:
+    def _submit(self, name: Key, source: str, token: object) -> None:
         try:
             self._executor.submit(self._load_in_background, name, source, token)
         except BaseException:
@@ -209,14 +180,14 @@ class HostAdapterCache:
                     del self._loading[name]
             raise
 
-    def _load_in_background(self, name: str, source: str, token: object) -> None:
+    def _load_in_background(self, name: Key, source: str, token: object) -> None:
         start = time.perf_counter()
         try:
             adapter = self._load_fn(name, source)
         except Exception as exc:
             error = exc
             if not isinstance(exc, AdapterError):  # ensure() promises an AdapterError
-                error = AdapterError(f"adapter {name!r}: loading {source!r} failed: {exc!r}")
+                error = AdapterError(f"adapter {str(name)!r}: loading {source!r} failed: {exc!r}")
                 error.__cause__ = exc
             with self._lock:
                 self._counts["load_failures"] += 1
@@ -230,12 +201,12 @@ class HostAdapterCache:
             # Inserted even if given up on (timed out): it is what the next request asks for anyway.
             self._insert(name, source, adapter, time.perf_counter() - start)
 
-    def _source_of(self, name: str) -> str:
+    def _source_of(self, name: Key) -> str:
         if name not in self._sources:
-            raise AdapterNotFoundError(f"adapter {name!r}: not registered")
+            raise AdapterNotFoundError(f"adapter {str(name)!r}: not registered")
         return self._sources[name]
 
-    def _insert(self, name: str, source: str, adapter: LoRAAdapter,
+    def _insert(self, name: Key, source: str, adapter: LoRAAdapter,
                 seconds: float) -> LoRAAdapter | None:
         """Count a finished load and insert it (under the lock); None if dropped."""
         self._counts["loads"] += 1
@@ -245,12 +216,11 @@ class HostAdapterCache:
             return None  # unregistered or re-registered elsewhere while loading
         if name not in self._resident:  # keep a copy already there: it may be referenced
             self._resident[name] = adapter
-            self._load_ids[name] = next(self._next_load_id)
         self._resident.move_to_end(name)
         self._evict(keep=name)
         return self._resident[name]
 
-    def _evict(self, keep: str | None = None) -> None:
+    def _evict(self, keep: Key | None = None) -> None:
         """Evict LRU adapters that are unreferenced, unpinned and not `keep`.
 
         If none is evictable the cache stays over capacity: the controller
@@ -268,36 +238,37 @@ class HostAdapterCache:
 
     # -- use by running requests -----------------------------------------
 
-    def get(self, name: str) -> LoRAAdapter | None:
+    def get(self, name: Key) -> LoRAAdapter | None:
         with self._lock:
             adapter = self._resident.get(name)
             if adapter is not None:
                 self._resident.move_to_end(name)
             return adapter
 
-    def acquire(self, name: str) -> LoRAAdapter:
+    def acquire(self, name: Key) -> LoRAAdapter:
         with self._lock:
             self._source_of(name)
             if name not in self._resident:
-                raise AdapterError(f"adapter {name!r}: not resident in the host cache")
+                raise AdapterError(f"adapter {str(name)!r}: not resident in the host cache")
             self._refs[name] = self._refs.get(name, 0) + 1
             self._resident.move_to_end(name)
             return self._resident[name]
 
-    def release(self, name: str) -> None:
+    def release(self, name: Key) -> None:
         with self._lock:
             refs = self._refs.get(name, 0)
             if refs <= 0:
-                raise RuntimeError(f"adapter {name!r}: release without acquire")
+                raise RuntimeError(f"adapter {str(name)!r}: release without acquire")
             if refs > 1:
                 self._refs[name] = refs - 1
                 return
             del self._refs[name]
-            if self._orphans.pop(name, None) is not None:
+            if name in self._orphans:
+                self._orphans.remove(name)
                 self._resident.pop(name, None)
             self._evict()
 
-    def is_resident(self, name: str) -> bool:
+    def is_resident(self, name: Key) -> bool:
         with self._lock:
             return name in self._resident
 

@@ -2,7 +2,7 @@
 both confined to loopback, their own temp dir and free ports, and stopped by pid.
 
 Run as a script, it is the autoscaling scenario of tests/test_cluster_autoscaling.py by hand
-(README, "Cluster autoscaling on one machine"): the fake NPU cluster and the demo app, until Ctrl-C.
+(docs/deployment.md, "Cluster autoscaling on one machine"): the fake NPU cluster and the demo app, until Ctrl-C.
 
 `ray stop` is never used: it stops every Ray process of the machine, other people's
 clusters included. Every process of a cluster started here carries its private temp

@@ -14,7 +14,6 @@ from safetensors.torch import load_file, save_file
 from factories import PROMPTS, make_adapter
 from lora_fixtures import ALL7
 from workers import EngineConfig, LLMEngine, SamplingParams
-from workers.adapters import display_name
 
 pytestmark = pytest.mark.slow   # make test-fast skips it: engines with faulty adapters
 
@@ -62,9 +61,9 @@ def _poison(executor, name: str):
     """Rank-side fault: the copy a rank installs has a B of the wrong shape, so its slot load raises."""
     get = executor.get_adapter if hasattr(executor, "get_adapter") else executor.runner.get_adapter
 
-    def poisoned(adapter_name, source, load_id):
-        adapter = get(adapter_name, source, load_id)
-        if display_name(adapter_name) != name:   # the version key: "A@1"
+    def poisoned(ref):
+        adapter = get(ref)
+        if ref.name != name:
             return adapter
         weights = {key: dataclasses.replace(w, lora_b=w.lora_b[:-1]) for key, w in adapter.weights.items()}
         return dataclasses.replace(adapter, weights=weights)
@@ -99,7 +98,7 @@ def test_files_changed_after_a_load_change_nothing_tp1(model, tmp_path, how):
 def test_a_rank_that_cannot_install_an_adapter_fails_only_its_requests_tp1(model, tmp_path):
     engine = _engine(model, _adapters(model, tmp_path))
     reference = _run(engine)
-    engine.adapters.forget_slot(engine.adapters.current_key("A"))      # A is installed again, from the poisoned copy
+    engine.adapters.forget_slot(engine.adapters.current("A"))      # A is installed again, from the poisoned copy
     original = _poison(engine.executor, "A")
     _check_isolated(engine, reference)
     engine.executor.runner.get_adapter = original
@@ -113,9 +112,9 @@ def test_tp2_ranks_never_read_adapter_files_and_isolate_a_bad_install(model, tmp
     assert _run(engine) == reference
     for how in ("truncated", "deleted"):   # the files are gone: the ranks install what the engine checked
         _spoil(adapters["A"], how, adapters["other"])
-        engine.adapters.forget_slot(engine.adapters.current_key("A"))
+        engine.adapters.forget_slot(engine.adapters.current("A"))
         assert _run(engine) == reference, how
-    engine.adapters.forget_slot(engine.adapters.current_key("A"))
+    engine.adapters.forget_slot(engine.adapters.current("A"))
     original = _poison(engine.executor, "A")
     _check_isolated(engine, reference)
     engine.executor.get_adapter = original

@@ -77,15 +77,15 @@ def test_running_requests_keep_their_version_new_ones_get_the_new(model, weights
     # the old version is freed once its requests ended: only the current one is resident
     cache = engine.adapters.cache
     assert cache.stats()["referenced"] == 0 and list(engine.list_adapters()) == ["A"]
-    assert [k for k in cache._resident] == [engine.adapters.current_key("A")]
+    assert [k for k in cache._resident] == [engine.adapters.current("A")]
 
 
 def test_loading_the_same_weights_again_is_a_no_op(model, weights):
     engine = _engine(model)
     assert engine.load_adapter("A", str(weights["v1"])) == "loaded"
-    key, version = engine.adapters.current_key("A"), engine.adapters.version("A")
+    key, version = engine.adapters.current("A"), engine.adapters.version("A")
     assert engine.load_adapter("A", str(weights["v1"])) == "unchanged"
-    assert (engine.adapters.current_key("A"), engine.adapters.version("A")) == (key, version)
+    assert (engine.adapters.current("A"), engine.adapters.version("A")) == (key, version)
     assert engine.load_adapter("A", str(weights["v2"])) == "replaced" and engine.adapters.version("A") != version
 
 
@@ -100,3 +100,26 @@ def test_a_bad_new_version_leaves_the_current_one_serving(model, weights, tmp_pa
     assert engine.list_adapters() == {"A": str(weights["v1"])}
     [out] = engine.generate([PROMPTS[0]], LONG, adapters=["A"])
     assert out.token_ids == _reference(model, weights["v1"], [PROMPTS[0]])[0]
+
+
+def test_the_same_weights_from_another_path_are_the_same_version(model, weights, tmp_path):
+    """Same content, new source: "replaced" (the source changed), the version and the resident copy are kept,
+    a running request is undisturbed, and the next page-in reads the new path (the old one is gone)."""
+    old, moved = tmp_path / "old", tmp_path / "moved"
+    shutil.copytree(weights["v1"], old)
+    shutil.copytree(weights["v1"], moved)
+    engine = _engine(model, max_loaded_loras=1, max_loras_per_batch=1)
+    engine.load_adapter("A", str(old))
+    ref, version = engine.adapters.current("A"), engine.adapters.version("A")
+    running = engine.add_request(PROMPTS[0], LONG, adapter="A")
+    engine.step()
+    assert engine.load_adapter("A", str(moved)) == "replaced"
+    assert engine.adapters.current("A") == ref and engine.adapters.current("A").source == str(moved)
+    assert engine.adapters.version("A") == version and engine.list_adapters() == {"A": str(moved)}
+    want = _reference(model, weights["v1"], PROMPTS[:2])
+    assert [o.token_ids for o in _finish(engine, [running])] == want[:1]
+    shutil.rmtree(old)
+    engine.load_adapter("B", str(weights["v2"]))       # evicts A (one adapter in host memory)
+    assert not engine.adapters.cache.is_resident(ref)
+    [out] = engine.generate([PROMPTS[1]], LONG, adapters=["A"])   # paged in again, from the new path
+    assert (out.finish_reason, out.token_ids) == ("length", want[1])

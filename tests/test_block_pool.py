@@ -1,21 +1,26 @@
 """BlockPool: reference counts, the content-addressed cache, LRU eviction of free cached blocks."""
+from lora.ref import AdapterRef
 from workers.block_pool import BlockPool, extend_hashes, hash_root
 
 BS = 4
 
 
-def chain(tokens, key=""):
-    return extend_hashes([], hash_root(key), tokens, BS, len(tokens))
+def chain(tokens, adapter=None):
+    return extend_hashes([], hash_root(adapter), tokens, BS, len(tokens))
 
 
 def test_hash_chain_names_the_whole_prefix_and_the_weights():
     a = chain(list(range(12)))
     assert len(a) == 3 and len(chain(list(range(13)))) == 3          # only full blocks
     assert chain([9] + list(range(1, 12)))[1:] != a[1:]              # a change early changes every later hash
-    assert chain(list(range(12)), key="sql\x001")[0] != a[0]          # an adapter's KV never matches the base's
-    assert chain(list(range(12)), key="sql\x002")[0] != chain(list(range(12)), key="sql\x001")[0]
+    v1, v2 = AdapterRef("sql", "1", "/a/sql"), AdapterRef("sql", "2", "/a/sql")
+    assert chain(list(range(12)), v1)[0] != a[0]                      # an adapter's KV never matches the base's
+    assert chain(list(range(12)), v2)[0] != chain(list(range(12)), v1)[0]   # nor another version's
+    assert chain(list(range(12)), AdapterRef("sq", "l\x001"))[0] != chain(list(range(12)), v1)[0]
+    # the same weights (version) from another source, pinned or not: the same KV
+    assert chain(list(range(12)), AdapterRef("sql", "1", "/b/sql", pinned=True)) == chain(list(range(12)), v1)
     grown = chain(list(range(8)))
-    assert extend_hashes(grown, hash_root(""), list(range(12)), BS, 12) == a   # extends in place
+    assert extend_hashes(grown, hash_root(None), list(range(12)), BS, 12) == a   # extends in place
 
 
 def cached(pool: BlockPool, hashes: list) -> list[int]:

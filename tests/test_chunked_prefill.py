@@ -170,7 +170,7 @@ def test_an_adapter_read_again_from_new_files_never_hits_its_old_kv(setup, tmp_p
         assert engine.load_adapter("x", str(source)) == "replaced"
     else:                                                             # evicted from host memory, read again
         run(engine, [(PROMPTS[0], "other")])
-        assert not engine.adapters.cache.is_resident(engine.adapters.current_key("x"))
+        assert not engine.adapters.cache.is_resident(engine.adapters.current("x"))
         [out] = run(engine, [(prompt, "x")])
         assert out.finish_reason == "error" and "its files changed since it was loaded" in out.error
         return

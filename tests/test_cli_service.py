@@ -51,15 +51,15 @@ class Service:
 
 
 def readme_hotload_command() -> list[str]:
-    """The README's `serve --demo --enable-hotload --adapter-root ...` line, split into its arguments."""
-    [line] = [line.strip() for line in (REPO / "README.md").read_text().splitlines()
+    """The documented `serve --demo --enable-hotload --adapter-root ...` line (docs/adapters.md), split up."""
+    [line] = [line.strip() for line in (REPO / "docs" / "adapters.md").read_text().splitlines()
               if line.strip().startswith(".venv/bin/python -m deployments.cli serve") and "--enable-hotload" in line]
     return line.split()
 
 
 def readme_handle_example() -> str:
-    """The README's Python block that uses a DeploymentHandle."""
-    blocks = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), re.S)
+    """The README's Python block that uses a DeploymentHandle (docs/serving.md)."""
+    blocks = re.findall(r"```python\n(.*?)```", (REPO / "docs" / "serving.md").read_text(), re.S)
     [block] = [b for b in blocks if "serve.get_deployment_handle" in b]
     return block
 

@@ -1,6 +1,6 @@
 """`loraserve serve` says why it cannot start (issue 19): a replica that raises while it starts makes the CLI
 print the replica's own exception and where its traceback and Ray's logs are kept, not only Serve's "Failed to
-update the deployments". (The README's commands that start: tests/test_cli_service.py.)
+update the deployments". (The documented commands that start: tests/test_cli_service.py.)
 
 The CLI runs as a child on loopback (its private Ray on a random port) and is stopped by pid.
 """

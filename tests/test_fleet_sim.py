@@ -2,12 +2,16 @@
 answer is known by hand (one replica at low load: a request's TTFT is its load plus one prefill step)."""
 from __future__ import annotations
 
+import heapq
+import itertools
 import random
 
 import pytest
 
-from benchmarks.fleet_replica import ReplicaSpec, SimRequest, StepCosts
+from benchmarks.fleet_cpu import SharedCpu
+from benchmarks.fleet_replica import Replica, ReplicaSpec, SimRequest, StepCosts
 from benchmarks.fleet_sim import Scenario, Simulation
+from benchmarks.fleet_validate import idle_arrivals
 
 COSTS = StepCosts(base_s=0.010, per_seq_s=0.001, per_adapter_s=0.002, per_prefill_token_s=0.0001, slot_load_s=0.005,
                   disk_load_s=0.05)
@@ -86,3 +90,59 @@ def test_the_token_budget_chunks_a_long_prompt():
     run(1, requests)
     steps = [COSTS.step_s(1, 1, 64, 1), COSTS.step_s(1, 1, 64, 0), COSTS.step_s(1, 1, 22, 0)]
     assert requests[0].first_token_at == pytest.approx(COSTS.disk_load_s + sum(steps))
+
+
+@pytest.mark.parametrize("cores, finished", [(1.0, {"a": 1.5, "b": 2.0}), (2.0, {"a": 1.0, "b": 1.5})])
+def test_shared_cores_run_each_job_at_its_share(cores, finished):
+    """One core: a runs alone for 0.5 s, then a and b at half speed each (a ends at 1.5), then b alone (2.0).
+    Two cores: each its own."""
+    events, now, order, done = [], [0.0], itertools.count(), {}
+
+    def schedule(t, handler, *args):
+        heapq.heappush(events, (t, next(order), handler, args))
+
+    cpu = SharedCpu(cores, lambda: now[0], schedule)
+    schedule(0.0, cpu.start, 1.0, lambda: done.setdefault("a", now[0]))
+    schedule(0.5, cpu.start, 1.0, lambda: done.setdefault("b", now[0]))
+    while events:
+        now[0], _, handler, args = heapq.heappop(events)
+        handler(*args)
+    assert done == pytest.approx(finished)
+
+
+def test_shared_cores_stretch_a_simulated_step_by_the_steps_beside_it():
+    alone = SimRequest(0.0, "a0", 8, 2)
+    run(1, [alone])
+    requests = [SimRequest(0.0, f"a{i}", 8, 2) for i in range(2)]
+    sim = Simulation(Scenario(replicas=2, num_adapters=0, rate=0.0, duration_s=0.0, warmup_s=0.0, spec=SPEC,
+                              cores=1.0), COSTS, "serve-default")
+    sim.run(requests)
+    assert {r.replica for r in requests} == {0, 1}
+    steps = alone.finished_at - COSTS.disk_load_s   # the cold load is a read, not CPU work
+    assert all(r.finished_at == pytest.approx(COSTS.disk_load_s + 2 * steps) for r in requests)
+
+
+def test_prefetch_makes_room_only_from_its_victims():
+    replica = Replica(0, ReplicaSpec(max_num_seqs=8, max_loras_per_batch=2, max_loaded_loras=2,
+                                     max_num_batched_tokens=64, max_ongoing_requests=16), COSTS)
+    replica.host.update(dict.fromkeys(["a", "b"]))
+    assert replica.prefetch("c", frozenset({"x"})) is None and list(replica.host) == ["a", "b"]
+    assert replica.prefetch("c", frozenset({"b"})) == "c" and list(replica.host) == ["a"]
+    replica.loaded("c")
+    assert list(replica.host) == ["a", "c"]
+
+
+def test_idle_arrivals_are_those_with_nothing_else_in_flight_on_their_replica():
+    spans = [("x", 0.0, 0.1, 1.0), ("x", 0.5, 0.7, 0.8), ("y", 0.5, 0.55, 0.6), ("x", 1.5, 1.6, 1.7)]
+    assert idle_arrivals(spans) == pytest.approx([0.1, 0.05, 0.1])
+
+
+def test_the_serving_path_is_work_on_the_shared_cores_split_at_the_routing_decision():
+    """A lone request: routed after its share of the path before routing, at its engine after the rest and the
+    path's waiting; its first token one prefill step later (cold: after the read)."""
+    spec = Scenario(replicas=1, num_adapters=0, rate=0.0, duration_s=0.0, warmup_s=0.0, spec=SPEC, cores=2.0,
+                    path_s=0.02, path_latency_s=0.005, path_before_routing=0.25)
+    request = SimRequest(1.0, "a0", 8, 2)
+    Simulation(spec, COSTS, "adapter-affinity").run([request])
+    assert request.routed_at == pytest.approx(1.005)
+    assert request.first_token_at == pytest.approx(1.0 + 0.02 + 0.005 + COSTS.disk_load_s + COSTS.step_s(1, 1, 8, 1))

@@ -153,7 +153,7 @@ def test_the_npu_resource_name_is_the_documented_device_plugin_value(manifest):
     names = {k for k in container["resources"]["limits"] if "/" in k}
     assert names == {ASCEND_DEVICE} == {k for k in container["resources"]["requests"] if "/" in k}
     header = (ROOT / "deployments/k8s/rayservice.yaml").read_text().split("apiVersion:")[0]
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "deployment.md").read_text()
     for text in (header, readme):   # the value to change, and the HAMi names, are written down
         assert "huawei.com/Ascend910" in text and "huawei.com/Ascend910B" in text and "HAMi" in text
 
@@ -209,9 +209,9 @@ def test_cluster_yaml_builds_the_pinned_kernels_or_starts_without_them():
 
 
 def test_one_kernel_version_everywhere():
-    for path in ("README.md", "pyproject.toml", "cluster.yaml", "deployments/k8s/rayservice.yaml",
+    for path in ("docs/deployment.md", "pyproject.toml", "cluster.yaml", "deployments/k8s/rayservice.yaml",
                  "deployments/images/npu.Dockerfile", "lora/backends/ascend.py"):
         text = (ROOT / path).read_text()
         assert "2026.9.0" not in text, path
-    for path in ("README.md", "pyproject.toml"):
+    for path in ("docs/deployment.md", "pyproject.toml"):
         assert f"sgl-kernel-npu {ascend.SGL_KERNEL_NPU_VERSION}" in (ROOT / path).read_text(), path

@@ -1,4 +1,4 @@
-"""The README's local Ray by hand (issue 14): its `ray start` + `serve deploy` + `serve status` + curl commands,
+"""docs/deployment.md's local Ray by hand (issue 14): its `ray start` + `serve deploy` + `serve status` + curl commands,
 run as written, with this test's own free ports, temp dir and serve_config.yaml copy (only its HTTP port differs).
 
 The head is stopped by the pids of its processes, never with `ray stop` (which would stop
@@ -27,8 +27,8 @@ PORT = re.compile(r"(?<=[:=])(\d{4,5})\b")
 
 
 def readme_commands() -> list[str]:
-    """The shell commands between the README's local-ray markers, continuation lines joined."""
-    text = (ROOT / "README.md").read_text()
+    """The shell commands between the README's local-ray markers (docs/deployment.md), continuation lines joined."""
+    text = (ROOT / "docs" / "deployment.md").read_text()
     block = text.split("<!-- local-ray:start -->", 1)[1].split("<!-- local-ray:end -->", 1)[0]
     body = block.split("```bash", 1)[1].split("```", 1)[0]
     return [line.strip() for line in body.replace("\\\n", " ").splitlines() if line.strip()]
@@ -45,9 +45,9 @@ def test_the_readme_has_the_four_steps_on_loopback_and_no_default_port():
     assert curl.startswith("curl http://127.0.0.1:")
     ports = {int(p) for p in PORT.findall(" ".join([start, deploy, status, curl]))}
     assert not ports & {6379, 8265, 10001, 52365}        # Ray's defaults: another Ray of this machine has them
-    # the script address the README gives is the head's port, and serve_config.yaml points at this dashboard
+    # the script address the docs give is the head's port, and serve_config.yaml points at this dashboard
     assert f'ray.init(address="127.0.0.1:{PORT.search(start.split("--port")[1]).group(1)}")' in \
-        (ROOT / "README.md").read_text()
+        (ROOT / "docs" / "deployment.md").read_text()
     assert deploy.split("serve deploy ")[1] in (ROOT / "serve_config.yaml").read_text()
 
 

@@ -72,7 +72,7 @@ def test_a_slot_once_loaded_is_used_for_the_bound_before_it_rotates(model, adapt
             if step < 48:
                 engine.add_request(PROMPTS[step % 8], tokens(10), adapter="ABCD"[step % 4])
             engine.step()
-            holders = {s.adapter_key for s in controller.running if s.adapter and not controller.budget.is_paused(s)}
+            holders = {s.adapter_ref for s in controller.running if s.adapter and not controller.budget.is_paused(s)}
             for key in list(held):
                 if key not in holders:   # left the budget: paused (it still has sequences) or drained
                     if key in controller.budget.paused and held[key] < max_wait:

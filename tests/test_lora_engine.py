@@ -49,7 +49,7 @@ def test_graph_safe_decode_equals_control_path(model, adapters, limits):
         assert run(graph, names) == run(control, names), names
     if limits["max_loras_per_batch"] == 1:
         stats = graph.stats()["lora"]["slots"]
-        assert stats["evictions"] >= 4 and graph.adapters.slot_of(graph.adapters.current_key("A")) == 0
+        assert stats["evictions"] >= 4 and graph.adapters.slot_of(graph.adapters.current("A")) == 0
 
 
 def test_lora_budget_does_not_starve_a_waiting_adapter(model, adapters):
@@ -93,7 +93,7 @@ def test_unload_while_decoding(model, adapters):
     rid = engine.add_request(PROMPTS[0], GREEDY, adapter="D")
     engine.step()
     engine.step()
-    key = engine.adapters.current_key("D")
+    key = engine.adapters.current("D")
     engine.unload_adapter("D")
     with pytest.raises(AdapterNotFoundError, match="'D'"):
         engine.add_request(PROMPTS[1], GREEDY, adapter="D")
@@ -109,7 +109,7 @@ def test_unload_while_decoding(model, adapters):
 
 def test_evicted_adapter_reloads_in_background(model, adapters):
     engine = engine_with(model, {k: adapters[k] for k in "AB"}, max_loras_per_batch=1, max_loaded_loras=1)
-    assert not engine.adapters.cache.is_resident(engine.adapters.current_key("A"))   # B's load evicted A
+    assert not engine.adapters.cache.is_resident(engine.adapters.current("A"))   # B's load evicted A
     expected_base = run(engine, [None])[0]
     gate, original = threading.Event(), engine.adapters.cache._load_fn
 
@@ -141,7 +141,7 @@ def test_pinned_adapter_keeps_host_memory_and_slot(model, adapters):
         engine.load_adapter(name, adapters[name])
     for names in (["A", "B"], ["C"], ["D", "A"], ["B"], ["C"]):
         run(engine, names)
-        key = engine.adapters.current_key("A")
+        key = engine.adapters.current("A")
         assert engine.adapters.cache.is_resident(key) and engine.adapters.slot_of(key) == 0
     assert engine.stats()["lora"]["host_cache"]["evictions"] > 0
 

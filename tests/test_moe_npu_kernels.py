@@ -27,7 +27,7 @@ from moe_factories import MergedOracle, PerAdapterOracle, expert_slot_pool, make
     moe_config, write_per_expert_adapter
 from workers import SamplingParams, tape_graph
 from workers.forward_batch import ForwardBatch
-from workers.models import moe_kernels
+from workers.models import cpu_moe, moe_kernels
 from workers.models.moe_kernels import NpuMoeKernel, moe_kernel
 from workers.models.qwen3_moe import SparseMoeBlock
 from workers.parallel import TPGroup
@@ -105,8 +105,10 @@ def test_captured_block_replays_other_routing_without_host_reads():
     assert len({tuple(c) for c in counts}) > 1, "the replays must route differently"
 
 
-def test_a_host_read_in_the_capture_raises():
-    """The torch path's eager grouping reads the counts back: refused under capture, as on a device."""
+def test_a_host_read_in_the_capture_raises(monkeypatch):
+    """The torch path's eager grouping reads the counts back: refused under capture, as on a device (the CPU's
+    grouped kernel, which reads nothing back, off)."""
+    monkeypatch.setattr(cpu_moe, "ENABLED", False)
     torch_block, _ = blocks(None)
     zeros = torch.zeros(4, dtype=torch.int64)
     eager = ForwardBatch(input_ids=zeros, positions=zeros, slot_mapping=zeros, logits_indices=zeros[:1])

@@ -255,7 +255,7 @@ def test_replicas_wait_on_a_long_poll_that_a_change_ends_at_once(shared_ray):
         version = ray.get(registry.seed.remote({}))
         waiting = registry.changes.remote(version, 60)
         assert ray.wait([waiting], timeout=1)[0] == []   # no change: it waits
-        ray.get(registry.register.remote("x", "/nowhere"))
+        ray.get(registry.register.remote("x", "/nowhere", "0123abcd"))
         assert ray.get(waiting, timeout=10) == version + 1   # the change ended it, long before its 60 s
         assert ray.get(registry.changes.remote(version, 60), timeout=10) == version + 1   # known to be behind
         assert ray.get(registry.changes.remote(version + 1, 0.2), timeout=10) == version + 1   # the heartbeat's

@@ -127,7 +127,7 @@ def test_health_stays_open(url):
 
 def test_serves_own_routes_answer_without_the_key_and_tell_only_route_prefixes(url):
     """/-/routes and /-/healthz are answered by Serve's HTTP proxy before any application sees the request,
-    so no API key gates them (README: Security); what they tell is each route prefix's application name."""
+    so no API key gates them (docs/security.md); what they tell is each route prefix's application name."""
     routes = requests.get(f"{url}/-/routes", timeout=60)
     assert routes.status_code == 200 and routes.json() == {"/": APP, "/plain": "plain"}, routes.text
     health = requests.get(f"{url}/-/healthz", timeout=60)

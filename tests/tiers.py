@@ -1,4 +1,4 @@
-"""The test tiers (README "Tests"), imported by tests/conftest.py: `ray` marks every test that starts or uses a
+"""The test tiers (docs/testing.md), imported by tests/conftest.py: `ray` marks every test that starts or uses a
 Ray cluster (set here for the users of the shared cluster's fixtures and for tests marked `own_cluster`);
 `make test-fast` runs the others. A test outside `ray` that calls ray.init fails, so a new Ray test cannot slip
 into the fast tier unmarked.

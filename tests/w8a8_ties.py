@@ -32,17 +32,21 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from w8a8_reference import ROW_PARALLEL
+from workers.quant.kernels import dynamic_quant
 from workers.quant.w8a8_linear import CHECKPOINT_MODULES, W8A8Linear
 
 TIE = 1e-3   # 16x the largest |d(x / scale)| measured; a wrong scale or shard moves x / scale by far more
-QLINEAR = "onednn::qlinear_pointwise"   # the cpu kernel's int8 GEMM (a name: this module travels by value)
+QLINEAR = "onednn::qlinear_pointwise"   # the oneDNN cpu kernel's int8 GEMM (a name: this module travels by value)
+FUSED_LINEAR = "loraserve::w8a8_linear"  # the fused cpu kernel (workers/quant/cpu_w8a8.c): x in, y out
 # a checkpoint module under a decoder layer -> our fused module that quantizes its input
 FUSED = {module: fused for fused, modules in CHECKPOINT_MODULES.items() for module in modules}
 
 
 class EngineRounding(TorchDispatchMode):
-    """Records the int8 activations of every W8A8 matmul of one rank's `model` (cpu kernel) by layer, eager
-    and replayed alike: each is one onednn.qlinear_pointwise call, whose weight names the layer."""
+    """Records the int8 activations of every W8A8 matmul of one rank's `model` (cpu kernels) by layer, eager
+    and replayed alike: each is one onednn.qlinear_pointwise call, whose weight names the layer, or one
+    loraserve::w8a8_linear call, which quantizes inside: its int8 rows are its input's under the same
+    arithmetic (dynamic_quant; the kernel is bit-exact to it: tests/test_w8a8_kernel.py)."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -53,6 +57,8 @@ class EngineRounding(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if func._schema.name == QLINEAR and id(args[3]) in self.layers:
             self.rows[self.layers[id(args[3])]].append(args[0].clone())
+        elif func._schema.name == FUSED_LINEAR and id(args[1]) in self.layers:
+            self.rows[self.layers[id(args[1])]].append(dynamic_quant(args[0].reshape(-1, args[0].shape[-1]))[0])
         return out
 
 

@@ -2,8 +2,9 @@
 
 A full block is content-addressed by a hash chain: block i's hash covers its
 parent's hash and its own tokens, and the chain starts from the adapter's
-identity (name + the host cache's load id, so a reloaded adapter never reuses
-KV computed with its old weights; the base model has its own root). Two
+identity (its name and version, lora/ref.py: the content digest of its weights, so
+an adapter reloaded with other weights never reuses KV computed with its old ones;
+the base model has its own root). Two
 requests share a block only when every token up to its end and the weights
 that produced its KV are the same. The hash is SHA-256, not Python's `hash`:
 a collision would hand one tenant's KV to another, and tuple hashes can be
@@ -21,10 +22,12 @@ from array import array
 from collections import OrderedDict
 from typing import Sequence as Seq
 
+from lora.ref import AdapterRef
 
-def hash_root(lora_key: str) -> bytes:
-    """The chain's start for one set of weights ('' = the base model)."""
-    return hashlib.sha256(b"loraserve-kv\0" + lora_key.encode()).digest()
+
+def hash_root(adapter: AdapterRef | None) -> bytes:
+    """The chain's start for one set of weights (None = the base model)."""
+    return hashlib.sha256(b"loraserve-kv\0" + (b"" if adapter is None else adapter.prefix_key)).digest()
 
 
 def hash_block(parent: bytes, tokens: Seq[int]) -> bytes:

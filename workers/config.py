@@ -29,7 +29,7 @@ class EngineConfig:
     # scheduling
     max_num_seqs: int = 64
     max_model_len: int | None = None            # default: min(model's max positions, 4096)
-    max_num_batched_tokens: int | None = None   # tokens per step; default per device (device.py), see README
+    max_num_batched_tokens: int | None = None   # tokens per step; default per device (device.py), docs/scheduling.md
     enable_chunked_prefill: bool = True         # long prompts run in chunks beside the decodes
     enable_prefix_caching: bool = True          # reuse the KV of full blocks of a prompt seen before
     # a thinking model's reasoning tags (workers/reasoning.py, vLLM's --reasoning-parser): a request's grammar

@@ -24,6 +24,7 @@ from collections import deque
 from typing import Iterator
 
 from lora.errors import AdapterError
+from lora.ref import AdapterRef
 from workers.adapters import AdapterManager
 from workers.block_pool import BlockPool, extend_hashes, hash_root
 from workers.config import EngineConfig
@@ -114,8 +115,8 @@ class Controller:
                 break                            # out of KV blocks (or, unchunked, of tokens): keep FCFS order
             if started == 0:
                 continue                         # its adapter is loading (or failed)
-            if seq.adapter and seq.adapter_key not in holders:
-                self.budget.enter(seq.adapter_key, holders, self.step_count)
+            if seq.adapter and seq.adapter_ref not in holders:
+                self.budget.enter(seq.adapter_ref, holders, self.step_count)
             seq.lora_skips = 0
             admitted.append((seq, started))
             budget -= started
@@ -127,8 +128,8 @@ class Controller:
     def _admission_order(self) -> Iterator[Sequence]:
         """Waiting requests in the order admission tries them: the base model's and those of adapters that run,
         in arrival order, then the other adapters' (those the rotation gave room first: the same order)."""
-        running = {s.adapter_key for s in self.running if s.adapter and not self.budget.is_paused(s)}
-        later: dict[str, list[Sequence]] = {}
+        running = {s.adapter_ref for s in self.running if s.adapter and not self.budget.is_paused(s)}
+        later: dict[AdapterRef | str, list[Sequence]] = {}
         for seq in list(self.waiting):
             lora = self._lora_id(seq)
             if lora is None or lora in running:
@@ -142,13 +143,13 @@ class Controller:
     def _start(self, seq: Sequence, budget: int) -> int | None:
         """Admit `seq`: adapter reference, cached prefix, blocks. Returns its first chunk's size, 0 when its
         adapter is not ready, None when it does not fit now."""
-        held = seq.adapter_key is not None   # preempted: it keeps the version it started on
+        held = seq.adapter_ref is not None   # preempted: it keeps the version it started on
         if seq.adapter and not held and not self._acquire_adapter(seq):
             return 0
-        key = "" if seq.adapter is None else f"{seq.adapter_key}\0{self.adapters.load_id(seq.adapter_key)}"
-        if seq.hash_key != key:
-            seq.block_hashes, seq.hash_key, seq.num_registered_blocks = [], key, 0
-        extend_hashes(seq.block_hashes, hash_root(key), seq.token_ids, self.block_size, len(seq))
+        root = hash_root(seq.adapter_ref)
+        if seq.hash_root != root:
+            seq.block_hashes, seq.hash_root, seq.num_registered_blocks = [], root, 0
+        extend_hashes(seq.block_hashes, root, seq.token_ids, self.block_size, len(seq))
         # The last token is always computed: its logits are what the step samples from. Prompt logprobs
         # need every prompt token's logits, so such a request computes its whole prompt.
         usable = 0 if seq.params.prompt_logprobs is not None else (len(seq) - 1) // self.block_size
@@ -186,35 +187,35 @@ class Controller:
             self._fail_waiting(seq, exc)
             return False
 
-    def _lora_id(self, seq: Sequence) -> str | None:
-        """The adapter version `seq` runs on (or would, admitted now): what takes a slot."""
+    def _lora_id(self, seq: Sequence) -> AdapterRef | str | None:
+        """The adapter version `seq` runs on (or would, admitted now): what takes a slot (its name: unloaded)."""
         if seq.adapter is None:
             return None
-        return seq.adapter_key or self.adapters.current_key(seq.adapter) or seq.adapter
+        return seq.adapter_ref or self.adapters.current(seq.adapter) or seq.adapter
 
     def _acquire_adapter(self, seq: Sequence) -> bool:
         """Hold a reference to the current version of the request's adapter if it is in host memory (else a
         load starts); the request keeps that version to its end."""
-        key = self.adapters.current_key(seq.adapter)
+        ref = self.adapters.current(seq.adapter)
         try:
-            if key is None:
+            if ref is None:
                 self.adapters.check_known(seq.adapter)   # unloaded while it waited: AdapterNotFoundError
-            if not self.adapters.ensure(key):
+            if not self.adapters.ensure(ref):
                 return False
         except AdapterError as exc:
             self._fail_waiting(seq, exc)
             return False
         try:
-            self.adapters.acquire(key)
+            self.adapters.acquire(ref)
         except AdapterError:   # evicted by a load that finished in between: retry next step
             return False
-        seq.adapter_key = key
+        seq.adapter_ref = ref
         return True
 
     def _release_adapter(self, seq: Sequence) -> None:
-        if seq.adapter_key is not None:
-            self.adapters.release(seq.adapter_key)
-            seq.adapter_key = None
+        if seq.adapter_ref is not None:
+            self.adapters.release(seq.adapter_ref)
+            seq.adapter_ref = None
 
     def _fail_waiting(self, seq: Sequence, exc: Exception) -> None:
         self.waiting.remove(seq)
@@ -235,11 +236,11 @@ class Controller:
         loads, expert_slots = [], {}
         if self.adapters is not None:
             # slots of chunks in progress stay too; paused adapters' may go to others
-            names = {s.adapter_key for s in self.running if s.adapter and not self.budget.is_paused(s)}
-            loads, expert_slots = self.adapters.assign_slots(names) if names else ([], {})
+            refs = {s.adapter_ref for s in self.running if s.adapter and not self.budget.is_paused(s)}
+            loads, expert_slots = self.adapters.assign_slots(refs) if refs else ([], {})
         slot_of = self.adapters.slot_of if self.adapters is not None else (lambda _: -1)
         # Decodes first, then chunks; within each, by slot: one LoRA segment per adapter.
-        scheduled.sort(key=lambda item: (item[1] > 1 or item[0].num_uncomputed > 1, slot_of(item[0].adapter_key)))
+        scheduled.sort(key=lambda item: (item[1] > 1 or item[0].num_uncomputed > 1, slot_of(item[0].adapter_ref)))
         return Batch(scheduled, slot_of, loads, expert_slots, self._new_sampler_slots)
 
     # ---- after a step ----------------------------------------------------
@@ -249,8 +250,8 @@ class Controller:
         row = 0
         produced = []
         samples = [seq.num_computed_tokens + n >= len(seq) for seq, n in scheduled]   # which rows hold a token
-        for name, error in out.failed_adapters.items():   # before any token of theirs is kept
-            self.fail_adapter(name, error)
+        for ref, error in out.failed_adapters.items():   # before any token of theirs is kept
+            self.fail_adapter(ref, error)
         for i, (seq, n) in enumerate(scheduled):
             if seq.is_finished:   # failed with its adapter: its row (if any) is skipped
                 row += samples[i]
@@ -281,13 +282,13 @@ class Controller:
                 self.finish(seq, "length")
         return produced
 
-    def fail_adapter(self, key: str, error: str) -> None:
+    def fail_adapter(self, ref: AdapterRef, error: str) -> None:
         """An adapter version a rank could not install: its requests end with `error`, its slot is given up
         (the next request for it loads it again), every other request carries on."""
-        for seq in [s for s in (*self.running, *self.waiting) if self._lora_id(s) == key]:
+        for seq in [s for s in (*self.running, *self.waiting) if self._lora_id(s) == ref]:
             self.finish(seq, "error", error=error)
             self.errored.append(seq)
-        self.adapters.forget_slot(key)
+        self.adapters.forget_slot(ref)
 
     def _cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Offer the blocks this step fills to the prefix cache, before the step runs: every layer writes
@@ -296,7 +297,7 @@ class Controller:
         full = num_tokens // self.block_size
         if not self.blocks.enable_caching or full <= seq.num_registered_blocks:
             return
-        extend_hashes(seq.block_hashes, hash_root(seq.hash_key), seq.token_ids, self.block_size, num_tokens)
+        extend_hashes(seq.block_hashes, seq.hash_root, seq.token_ids, self.block_size, num_tokens)
         for i in range(seq.num_registered_blocks, full):
             self.blocks.register(seq.block_table[i], seq.block_hashes[i])
         seq.num_registered_blocks = full

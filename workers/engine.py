@@ -16,6 +16,7 @@ from typing import Sequence as Seq
 from transformers import AutoConfig, AutoTokenizer
 
 from lora.adapter import LoRAAdapter, model_spec_from_hf_config
+from lora.ref import AdapterRef
 from workers.adapters import AdapterManager
 from workers.config import EngineConfig, SamplingParams
 from workers.controller import Controller
@@ -180,7 +181,7 @@ class LLMEngine:
             self._states[seq.request_id] = RequestState(seq.request_id, seq.prompt_token_ids, seq.params,
                                                         self.tokenizer, seq.adapter)
         if seq.adapter is not None:
-            resident = self.adapters.cache.is_resident(self.adapters.current_key(seq.adapter))
+            resident = self.adapters.cache.is_resident(self.adapters.current(seq.adapter))
             self.adapter_counts["arrived_resident" if resident else "arrived_not_resident"] += 1
         self.controller.add(seq)
         return seq.request_id
@@ -213,7 +214,7 @@ class LLMEngine:
                 raise
             touched = touched + self.controller.complete(items, out)
             self.adapter_counts["steps"] += 1
-            self.adapter_counts["step_adapters"] += len({seq.adapter_key for seq, _ in items if seq.adapter_key})
+            self.adapter_counts["step_adapters"] += len({seq.adapter_ref for seq, _ in items if seq.adapter_ref})
             touched, self.controller.errored = touched + self.controller.errored, []   # e.g. an adapter failed
         for seq in touched:
             if seq.is_finished:
@@ -256,11 +257,11 @@ class LLMEngine:
         return [done[rid] for rid in ids]
 
     # ---- adapters ------------------------------------------------------------
-    def _resident_adapter(self, name: str, source: str, load_id: int):
+    def _resident_adapter(self, ref: AdapterRef):
         """The validated host copy the controller scheduled: what every rank installs (never its files)."""
-        adapter = self.adapters.cache.get(name)
+        adapter = self.adapters.cache.get(ref)
         if adapter is None:
-            raise RuntimeError(f"adapter {name!r} scheduled but not resident in the host cache")
+            raise RuntimeError(f"adapter {ref.name!r} scheduled but not resident in the host cache")
         return adapter
 
     def _need_lora(self) -> AdapterManager:

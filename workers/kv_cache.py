@@ -37,7 +37,8 @@ class KVCache:
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """k_cache[h].flat[slot_mapping[t]] = k[t, h] (and v); k: [T, kv_heads, head_dim]."""
+    """k_cache[h].flat[slot_mapping[t]] = k[t, h] (and v); k: [T, kv_heads, head_dim]. On the CPU the model writes
+    through workers/cpu_ops.c instead, in the same pass as rope (cpu_ops.qkv_rope); this is its reference."""
     kv_heads, head_dim = k.shape[1:]
     k_cache.view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping, k.transpose(0, 1))
     v_cache.view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping, v.transpose(0, 1))

@@ -21,8 +21,11 @@ from __future__ import annotations
 
 from typing import Callable, Iterable
 
+from lora.ref import AdapterRef
 from workers.adapters import AdapterManager
 from workers.sequence import Sequence
+
+LoRAId = AdapterRef | str   # an adapter version; a name: requests for an adapter unloaded while they waited
 
 
 class LoRABudget:
@@ -30,11 +33,11 @@ class LoRABudget:
         self.limit = max_loras_per_batch
         self.max_wait_steps = max_wait_steps
         self.adapters = adapters
-        self.paused: set[str] = set()        # adapter versions whose running sequences sit out
-        self.since: dict[str, int] = {}      # adapter version -> the step it last entered the budget
+        self.paused: set[LoRAId] = set()        # adapter versions whose running sequences sit out
+        self.since: dict[LoRAId, int] = {}      # adapter version -> the step it last entered the budget
         self.num_pauses = 0
 
-    def fits(self, lora: str, holders: set[str]) -> bool:
+    def fits(self, lora: LoRAId, holders: set[LoRAId]) -> bool:
         """Whether `lora` can run beside `holders` (MoE: an adapter with expert weights also needs an expert slot)."""
         if lora in holders:
             return True
@@ -43,28 +46,28 @@ class LoRABudget:
         adapters = self.adapters
         return not (adapters.uses_experts(lora) and sum(map(adapters.uses_experts, holders)) >= adapters.max_expert_loras)
 
-    def enter(self, lora: str, holders: set[str], step: int) -> None:
+    def enter(self, lora: LoRAId, holders: set[LoRAId], step: int) -> None:
         holders.add(lora)
         self.paused.discard(lora)
         self.since[lora] = step
 
     def is_paused(self, seq: Sequence) -> bool:
-        return seq.adapter_key in self.paused
+        return seq.adapter_ref in self.paused
 
-    def rotate(self, running: list[Sequence], waiting: Iterable[Sequence], lora_id: Callable[[Sequence], str | None],
-               startable: Callable[[Sequence], bool], step: int) -> set[str]:
+    def rotate(self, running: list[Sequence], waiting: Iterable[Sequence], lora_id: Callable[[Sequence], LoRAId | None],
+               startable: Callable[[Sequence], bool], step: int) -> set[LoRAId]:
         """Pause and resume adapters for this step. Returns the holders: the adapters whose running sequences run,
         and those given room for their waiting requests. A waiting adapter gets room only if its oldest request
         is `startable` now (its adapter in host memory, KV blocks, a sampler row): a holder is never paused for a
         request that could not start."""
-        running_loras = {s.adapter_key for s in running if s.adapter}
+        running_loras = {s.adapter_ref for s in running if s.adapter}
         self.paused &= running_loras
         self.since = {k: v for k, v in self.since.items() if k in running_loras}   # a drained adapter left it
         holders = running_loras - self.paused
-        age: dict[str, int] = {}
-        count: dict[str, int] = {}
-        first: dict[str, Sequence] = {}   # a waiting adapter's oldest request
-        paused_seqs = [s for s in running if s.adapter_key in self.paused]
+        age: dict[LoRAId, int] = {}
+        count: dict[LoRAId, int] = {}
+        first: dict[LoRAId, Sequence] = {}   # a waiting adapter's oldest request
+        paused_seqs = [s for s in running if s.adapter_ref in self.paused]
         for seq in (*waiting, *paused_seqs):
             lora = lora_id(seq)
             if lora is not None and lora not in holders:
@@ -83,12 +86,12 @@ class LoRABudget:
                 self.num_pauses += 1
             if lora in self.paused:
                 for seq in paused_seqs:
-                    if seq.adapter_key == lora:
+                    if seq.adapter_ref == lora:
                         seq.lora_skips = 0
             self.enter(lora, holders, step)
         return holders
 
-    def _victim(self, lora: str, holders: set[str], step: int) -> str | None:
+    def _victim(self, lora: LoRAId, holders: set[LoRAId], step: int) -> LoRAId | None:
         """The holder to pause for `lora`: the one that entered last among those held long enough and not pinned
         whose place `lora` fits in."""
         pinned = self.adapters.pinned
@@ -96,7 +99,7 @@ class LoRABudget:
                     and self.fits(lora, holders - {k})]
         return max(eligible, key=lambda k: self.since[k], default=None)
 
-    def count_skips(self, seqs: Iterable[Sequence], holders: set[str], lora_id: Callable[[Sequence], str | None]):
+    def count_skips(self, seqs: Iterable[Sequence], holders: set[LoRAId], lora_id: Callable[[Sequence], LoRAId | None]):
         """One more step waited on the budget for each of `seqs` (waiting or paused) whose adapter has no room."""
         for seq in seqs:
             lora = lora_id(seq)

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from lora.ref import AdapterRef
 from workers.config import SamplingParams
 from workers.grammar import bitmask_width
 
@@ -42,9 +43,7 @@ class StepPlan:
     seq_lens: list[int]             # context length after this step (cached + new)
     block_tables: list[list[int]]
     lora_slots: list[int]           # per seq, -1 = base model
-    # (slot, adapter, source, load id) to load first; the load id names the controller's read of the
-    # files, so a rank's own copy keyed by it is re-read whenever the controller's was
-    lora_loads: list[tuple[int, str, str, int]] = field(default_factory=list)
+    lora_loads: list[tuple[int, AdapterRef]] = field(default_factory=list)   # (slot, adapter version) to load first
     lora_expert_slots: dict[int, int] = field(default_factory=dict)   # slot -> expert slot, loads with experts
     samples: list[bool] = field(default_factory=list)
     sampler_slots: list[int] = field(default_factory=list)   # each sampled seq's row of the workers' SamplerState
@@ -91,8 +90,8 @@ class Batch:
     """What the scheduler chose for a step: (sequence, new tokens) in plan order (decodes first, then chunks;
     by LoRA slot within each), the LoRA slot loads, and the sequences that took a sampler slot now."""
     items: list[tuple[Sequence, int]]
-    lora_slot: Callable[[str | None], int]           # adapter version -> its slot (-1: the base model)
-    lora_loads: list[tuple[int, str, str, int]] = field(default_factory=list)
+    lora_slot: Callable[[AdapterRef | None], int]    # adapter version -> its slot (-1: the base model)
+    lora_loads: list[tuple[int, AdapterRef]] = field(default_factory=list)
     lora_expert_slots: dict[int, int] = field(default_factory=dict)
     admitted: list[Sequence] = field(default_factory=list)
 
@@ -115,7 +114,7 @@ class PlanBuilder:
             plan.query_lens.append(n)
             plan.seq_lens.append(start + n)
             plan.block_tables.append(list(seq.block_table))
-            plan.lora_slots.append(batch.lora_slot(seq.adapter_key))
+            plan.lora_slots.append(batch.lora_slot(seq.adapter_ref))
             targets = None
             if p.prompt_logprobs is not None:   # each new prompt position scores the prompt token after it
                 targets = seq.prompt_token_ids[start + 1:min(start + n + 1, seq.num_prompt_tokens)]
@@ -149,5 +148,5 @@ class StepOutput:
     logprobs: list[float]
     top_logprobs: list[list[tuple[int, float]]] | None = None
     prompt_logprobs: list[list[tuple[float, list[tuple[int, float]]]] | None] | None = None
-    # adapter -> why this rank could not install it into its slot (its requests fail, nothing else does)
-    failed_adapters: dict[str, str] = field(default_factory=dict)
+    # adapter version -> why this rank could not install it into its slot (its requests fail, nothing else does)
+    failed_adapters: dict[AdapterRef, str] = field(default_factory=dict)

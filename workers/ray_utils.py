@@ -18,7 +18,8 @@ LOOPBACK = "127.0.0.1"
 # Set before `import ray` / ray.init: bind every Ray process to loopback, no token auth for local runs,
 # and no usage-stats report leaving the machine.
 # The serving knobs come with them, inherited by every Ray process of a cluster started with this environment
-# (the raylet, then Serve's controller, proxy and replicas); README "Ray settings" gives them for `ray start`:
+# (the raylet, then Serve's controller, proxy and replicas); docs/deployment.md "Ray settings" gives them for
+# `ray start`:
 # - worker niceness 0: Ray starts workers at nice 15 so that its daemons win the CPU, but here a worker is the
 #   replica doing the inference, and at 15 any nice-0 process on the node (a client, a log shipper) preempts it;
 # - Serve's throughput-optimized mode (user code on the replica's own event loop, no per-item hop between

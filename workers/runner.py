@@ -19,9 +19,9 @@ from lora.expert_layers import wrap_experts
 from lora.expert_memory import check_expert_slots, free_memory
 from lora.layers import wrap_model
 from lora.modules import EXPERT_GROUPS, MODULE_GROUPS, PACKED_MODULES
+from lora.ref import AdapterRef
 from lora.slots import GroupShape, SlotPool
 from lora.transfer import to_device
-from workers.adapters import display_name
 from workers.config import MAX_LOGIT_BIAS, EngineConfig
 from workers.device import Platform
 from workers.forward_batch import ForwardBatch, PrefillChunk
@@ -113,7 +113,7 @@ def layers_with(model, path: str | None) -> list[int]:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, runtime: RuntimeInfo, platform: Platform, tp: TPGroup,
-                 device: torch.device, get_adapter: Callable[[str, str, int], LoRAAdapter] | None = None):
+                 device: torch.device, get_adapter: Callable[[AdapterRef], LoRAAdapter] | None = None):
         self.config, self.runtime, self.platform, self.tp, self.device = config, runtime, platform, tp, device
         self.dtype = TORCH_DTYPES[runtime.dtype]
         cfg = runtime.hf_config
@@ -211,12 +211,12 @@ class ModelRunner:
         is reported, so that only its requests fail: no per-adapter fault is an engine fault. The step
         still runs on every rank (the ranks meet in its collectives)."""
         failed = {}
-        for slot, name, source, load_id in plan.lora_loads:
+        for slot, ref in plan.lora_loads:
             try:
-                self.slot_pool.load(slot, self.get_adapter(name, source, load_id), plan.lora_expert_slots.get(slot))
+                self.slot_pool.load(slot, self.get_adapter(ref), plan.lora_expert_slots.get(slot))
             except Exception as exc:  # noqa: BLE001  (reported per adapter, the engine carries on)
                 self.slot_pool.clear(slot)
-                failed[name] = f"adapter {display_name(name)!r} could not be installed on rank {self.tp.rank}: {exc}"
+                failed[ref] = f"adapter {ref.name!r} could not be installed on rank {self.tp.rank}: {exc}"
         return failed
 
     def _decode(self, plan: StepPlan) -> torch.Tensor:

@@ -5,6 +5,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from lora.ref import AdapterRef
 from workers.config import SamplingParams
 
 
@@ -21,8 +22,8 @@ class Sequence:
     params: SamplingParams
     seed: int
     adapter: str | None = None
-    # the adapter version it runs on (workers/adapters.py), held from admission to its end, preemption included
-    adapter_key: str | None = field(default=None, init=False)
+    # the adapter version it runs on (lora/ref.py), held from admission to its end, preemption included
+    adapter_ref: AdapterRef | None = field(default=None, init=False)
     arrival_step: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     queue_time: float | None = None       # seconds from arrival to its first admission (vLLM's queued time)
@@ -36,7 +37,7 @@ class Sequence:
     num_computed_tokens: int = 0          # tokens whose KV is in the cache (computed or a prefix-cache hit)
     num_cached_tokens: int = 0            # of the prompt, found in the prefix cache at the last admission
     block_hashes: list[bytes] = field(default_factory=list)   # hash chain of its full blocks (block_pool)
-    hash_key: str | None = None           # the weights `block_hashes` were computed under
+    hash_root: bytes | None = None        # the chain `block_hashes` extend: the weights they were computed under
     num_registered_blocks: int = 0        # leading full blocks already offered to the prefix cache
     finish_reason: str | None = None      # "stop" | "length" | "abort" | "error"
     error: str | None = None

@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 
 from lora.adapter import LoRAAdapter
+from lora.ref import AdapterRef
 from lora.transfer import allow_pinning
 from workers.config import EngineConfig
 from workers.device import Platform
@@ -18,12 +19,12 @@ from workers.parallel import TPGroup
 from workers.plan import StepOutput, StepPlan
 from workers.runner import ModelRunner, RuntimeInfo
 
-CPU_THREADS_ENV = "LORASERVE_CPU_THREADS"   # the default cpu_threads of this process's engines (README)
+CPU_THREADS_ENV = "LORASERVE_CPU_THREADS"   # the default cpu_threads of this process's engines (docs/cpu.md)
 
 
 class Worker:
     def __init__(self, config: EngineConfig, runtime: RuntimeInfo, platform: Platform,
-                 get_adapter: Callable[[str, str, int], LoRAAdapter], tp: TPGroup = TPGroup(), device_index: int = 0):
+                 get_adapter: Callable[[AdapterRef], LoRAAdapter], tp: TPGroup = TPGroup(), device_index: int = 0):
         platform.set_device(device_index)
         allow_pinning(platform.name != "cpu")   # this process holds the device it copies to (lora/transfer.py)
         if platform.name == "cpu":

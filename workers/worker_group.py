@@ -24,6 +24,7 @@ import ray
 from ray.util.placement_group import get_current_placement_group, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from lora.ref import AdapterRef
 from workers.config import EngineConfig
 from workers.device import Platform
 from workers.models.plain_config import PlainConfig
@@ -95,10 +96,10 @@ class RayWorker:
             tp = TPGroup(self.rank, self.world_size, dist.group.WORLD, gather_small=platform.dist_backend == "gloo")
         self.worker = Worker(self.config, self.runtime, platform, self._shipped_adapter, tp, device_index)
 
-    def _shipped_adapter(self, name: str, source: str, load_id: int):
-        adapter = self._adapters.get((name, load_id))
+    def _shipped_adapter(self, ref: AdapterRef):
+        adapter = self._adapters.get(ref)
         if adapter is None or isinstance(adapter, Exception):
-            raise adapter or RuntimeError(f"adapter {name!r} (load {load_id}) was not shipped with the step")
+            raise adapter or RuntimeError(f"adapter {ref.name!r} (version {ref.version}) was not shipped with the step")
         return adapter
 
     def _store(self, port: int):
@@ -114,7 +115,7 @@ class RayWorker:
 
     def execute(self, plan: StepPlan, *adapters) -> StepOutput | dict[str, str]:
         """`adapters`: the plan's slot loads' adapters, in order (Ray resolves them from the object store)."""
-        self._adapters = {(name, load_id): adapter for (_, name, _, load_id), adapter in zip(plan.lora_loads, adapters)}
+        self._adapters = {ref: adapter for (_, ref), adapter in zip(plan.lora_loads, adapters)}
         try:
             out = self.worker.execute(plan)
         finally:
@@ -165,7 +166,7 @@ class WorkerGroup:
     """The engine's executor when tensor_parallel_size > 1 or distributed_executor == "ray"."""
 
     def __init__(self, config: EngineConfig, runtime: RuntimeInfo, platform: Platform,
-                 get_adapter: Callable[[str, str, int], object] | None = None, step_timeout_s: float = STEP_TIMEOUT_S):
+                 get_adapter: Callable[[AdapterRef], object] | None = None, step_timeout_s: float = STEP_TIMEOUT_S):
         if not ray.is_initialized():
             raise RuntimeError("tensor_parallel_size > 1 / distributed_executor='ray' runs one Ray actor per rank, "
                                "but Ray is not initialised: call ray.init(...) (or workers.ray_utils.init_local_ray) "
@@ -173,8 +174,9 @@ class WorkerGroup:
         self.size = config.tensor_parallel_size
         self.step_timeout_s = step_timeout_s
         self.get_adapter = get_adapter
-        # (name, load id) -> the object-store copy of that read of the adapter; as many as the host cache holds
-        self._shipped: collections.OrderedDict[tuple[str, int], ray.ObjectRef] = collections.OrderedDict()
+        # adapter version -> its object-store copy, put once however often it is loaded into a slot; as many as
+        # the host cache holds
+        self._shipped: collections.OrderedDict[AdapterRef, ray.ObjectRef] = collections.OrderedDict()
         self._max_shipped = config.max_loaded_loras
         self.error: str | None = None
         self.workers, self.placement_group, self.owns_placement_group = spawn_workers(config, runtime, platform)
@@ -188,33 +190,32 @@ class WorkerGroup:
     # ---- calls to every rank -------------------------------------------------
     def execute(self, plan: StepPlan) -> StepOutput:
         plan_ref = ray.put(plan)
-        refs = [self._ship(name, source, load_id) for _, name, source, load_id in plan.lora_loads]
+        refs = [self._ship(ref) for _, ref in plan.lora_loads]
         out, *others = self._gather([w.execute.remote(plan_ref, *refs) for w in self.workers], self.step_timeout_s,
                                     "step")
         for failed in others:
-            for name, error in failed.items():
-                out.failed_adapters.setdefault(name, error)
-        for key in [key for key in self._shipped if key[0] in out.failed_adapters]:
-            del self._shipped[key]   # the next try ships the engine's copy again
+            for ref, error in failed.items():
+                out.failed_adapters.setdefault(ref, error)
+        for ref in out.failed_adapters:
+            self._shipped.pop(ref, None)   # the next try ships the engine's copy again
         return out
 
-    def _ship(self, name: str, source: str, load_id: int) -> ray.ObjectRef:
-        """The validated host copy of this read of the adapter in the object store, put once; a copy that
+    def _ship(self, ref: AdapterRef) -> ray.ObjectRef:
+        """The validated host copy of this adapter version in the object store, put once; a copy that
         cannot be had is shipped as its error, so the ranks fail that adapter alone."""
-        key = (name, load_id)
-        if key in self._shipped:
-            self._shipped.move_to_end(key)
-            return self._shipped[key]
+        if ref in self._shipped:
+            self._shipped.move_to_end(ref)
+            return self._shipped[ref]
         try:
             if self.get_adapter is None:
                 raise RuntimeError("this worker group was built without an adapter source")
-            adapter = self.get_adapter(name, source, load_id)
+            adapter = self.get_adapter(ref)
         except Exception as exc:  # noqa: BLE001  (a per-adapter fault, reported through the ranks)
-            return ray.put(RuntimeError(f"adapter {name!r}: no validated copy to ship: {exc}"))
-        self._shipped[key] = ray.put(adapter)
+            return ray.put(RuntimeError(f"adapter {ref.name!r}: no validated copy to ship: {exc}"))
+        self._shipped[ref] = ray.put(adapter)
         while len(self._shipped) > self._max_shipped:
             self._shipped.popitem(last=False)
-        return self._shipped[key]
+        return self._shipped[ref]
 
     def resident_bytes(self) -> list[dict]:
         """Per rank: parameter bytes by name, LoRA slot bytes, KV cache bytes."""

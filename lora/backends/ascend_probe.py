@@ -24,7 +24,7 @@ def _installed_version() -> str:
 
 
 ADVICE = (f"install sgl-kernel-npu {SGL_KERNEL_NPU_VERSION} (commit {SGL_KERNEL_NPU_COMMIT}) built for your CANN "
-          f"toolkit and SoC (README: 'Run on a Ray cluster of NPUs'), or set lora_backend: torch_native")
+          f"toolkit and SoC (docs/deployment.md: 'Run on a Ray cluster of NPUs'), or set lora_backend: torch_native")
 
 
 def _kernel_ops(ops):

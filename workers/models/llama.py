@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lora.modules import PACKED_MODULES_MAPPING
+from workers import cpu_ops
 from workers.forward_batch import ForwardBatch
 from workers.kv_cache import paged_attention, write_kv
 from workers.models.rope import RotaryEmbedding
@@ -27,6 +28,19 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = cpu_ops.rms_norm(x, self.weight, self.eps)
+        return self.reference(x) if out is None else out
+
+    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, self(x + delta)): a decoder layer's residual add and the norm after it, one pass on the CPU."""
+        fused = cpu_ops.add_rms_norm(x, delta, self.weight, self.eps)
+        if fused is not None:
+            return fused
+        x = x + delta
+        return x, self.reference(x)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The torch maths (other devices; the CPU kernel's definition, rounding included)."""
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -50,18 +64,32 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: tuple[torch.Tensor, torch.Tensor]):
+        qkv = self.qkv_proj(x, batch.lora)
+        q, k, v = self.attention_inputs(qkv, batch, kv)
+        out = paged_attention(q, k, v, kv[0], kv[1], batch, self.scale)
+        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim), batch.lora)
+
+    def attention_inputs(self, qkv: torch.Tensor, batch: ForwardBatch, kv: tuple[torch.Tensor, torch.Tensor]):
+        """q, k, v [T, heads, head_dim] of the qkv projection: q/k normed (Qwen3) and rotated, k/v written
+        to the cache; one kernel pass on the CPU (workers/cpu_ops.c)."""
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x, batch.lora).split([q_size, kv_size, kv_size], dim=-1)
+        k_cache, v_cache = kv
+        qk_norm = self.q_norm is not None
+        fused = cpu_ops.qkv_rope(qkv, batch.positions, *self.rope.tables(qkv.dtype),
+                                 self.q_norm.weight if qk_norm else None, self.k_norm.weight if qk_norm else None,
+                                 self.q_norm.eps if qk_norm else 0.0, self.num_heads, self.num_kv_heads,
+                                 k_cache, v_cache, batch.slot_mapping)
+        if fused is not None:
+            return (*fused, qkv[:, q_size + kv_size:].view(-1, self.num_kv_heads, self.head_dim))
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(batch.positions, q, k)
-        k_cache, v_cache = kv
         write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
-        out = paged_attention(q, k, v, k_cache, v_cache, batch, self.scale)
-        return self.o_proj(out.reshape(-1, q_size), batch.lora)
+        return q, k, v
 
 
 class MLP(nn.Module):
@@ -71,8 +99,16 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x, batch.lora).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up, batch.lora)
+        return self.down_proj(self.act(self.gate_up_proj(x, batch.lora)), batch.lora)
+
+    @staticmethod
+    def act(gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up, one pass on the CPU (workers/cpu_ops.c)."""
+        out = cpu_ops.silu_and_mul(gate_up)
+        if out is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            out = F.silu(gate) * up
+        return out
 
 
 class DecoderLayer(nn.Module):
@@ -83,9 +119,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = mlp
 
-    def forward(self, x, batch: ForwardBatch, kv):
-        x = x + self.self_attn(self.input_layernorm(x), batch, kv)
-        return x + self.mlp(self.post_attention_layernorm(x), batch)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, kv):
+        """(this layer's MLP output, the residual stream before it added): each residual add is done by the norm
+        after it (the next layer's input norm adds this layer's MLP output), one pass on the CPU. x: the previous
+        layer's MLP output, or the embedding with residual None."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            residual, h = self.input_layernorm.add_and_norm(residual, x)
+        residual, h = self.post_attention_layernorm.add_and_norm(residual, self.self_attn(h, batch, kv))
+        return self.mlp(h, batch), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -119,8 +162,8 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch, kv_cache) -> torch.Tensor:
         """Logits [len(batch.logits_indices), vocab] in fp32."""
-        x = self.embed_tokens(batch.input_ids, batch.lora)
+        x, residual = self.embed_tokens(batch.input_ids, batch.lora), None
         for i, layer in enumerate(self.layers):
-            x = layer(x, batch, (kv_cache.k[i], kv_cache.v[i]))
-        x = self.norm(x[batch.logits_indices])
-        return self.lm_head(x, batch.lm_lora).float()
+            x, residual = layer(x, residual, batch, (kv_cache.k[i], kv_cache.v[i]))
+        rows = batch.logits_indices
+        return self.lm_head(self.norm(residual[rows] + x[rows]), batch.lm_lora).float()

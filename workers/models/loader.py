@@ -78,8 +78,8 @@ def load_weights(model: nn.Module, path: Path) -> None:
                 tensor_slice = f.get_slice(name)
                 if param.is_floating_point() and tensor_slice.get_dtype() not in FLOAT_STORAGE:
                     raise ValueError(f"checkpoint tensor {name!r} is {tensor_slice.get_dtype()}, but the model "
-                                     f"reads it as float: a quantized checkpoint needs its description (README: "
-                                     f"Quantized models)")
+                                     f"reads it as float: a quantized checkpoint needs its description "
+                                     f"(docs/w8a8.md)")
                 with torch.no_grad():
                     if hasattr(owner, "weight_loader"):
                         owner.weight_loader(param, tensor_slice, shard)

@@ -3,8 +3,12 @@
 A layer is sparse unless it is in `mlp_only_layers` or `(i + 1) % decoder_sparse_step != 0`; dense
 layers keep the Llama-family MLP at `intermediate_size`. The router is HF's (fp32 softmax, top-k,
 renormalised when `norm_topk_prob`, cast back). Experts run on the (token, choice) rows grouped by
-expert: one GEMM per active expert and projection (eager), or, in a captured decode where nothing may
-read back to the host, a fixed loop over every expert keeping each row's own (graph-safe). On an NPU
+expert. On the CPU (bf16 / fp32) one grouped GEMM per projection (workers/models/cpu_moe.py) runs every
+routed expert over its rows, sorted by expert with the cumulative counts computed on the device: eager
+steps and a captured decode run the same calls, nothing read back. Otherwise (no C compiler,
+LORASERVE_MOE_KERNEL=0, other dtypes or devices) one GEMM per active expert and projection (eager), or,
+in a captured decode where nothing may read back to the host, a fixed loop over every expert keeping
+each row's own (graph-safe). On an NPU
 with torch_npu's MoE ops (workers/models/moe_kernels.py, `use_moe_kernel`) routing, grouping, the
 grouped GEMMs and the combine are those ops instead, in every phase: nothing is read back to the host.
 
@@ -22,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.forward_batch import ForwardBatch
+from workers.models import cpu_moe
 from workers.models.llama import MLP, LlamaForCausalLM
 from workers.models.loader import _target
 from workers.parallel import PACK_BATCH_HINT, TPGroup, _divide, _narrow, linear
@@ -47,6 +52,8 @@ class ExpertRows:
 
     Eager: rows sorted by expert (stable: by token within one), `expert_runs` lists (expert, start, end)
     of the active experts (read back once per layer).
+    Grouped (CPU kernel): rows sorted by expert on the device, `offsets` [E + 1] their cumulative counts
+    (device side), `expert_runs` None: one cpu_moe.grouped_gemm per projection, eager or graph-safe.
     Graph-safe: rows in (token, choice) order, `expert_runs` is None and each expert's rows are
     found by mask on the device.
     NPU kernels: rows sorted by expert on the device; `dispatch` holds what the routing op returned
@@ -56,6 +63,7 @@ class ExpertRows:
     weight: torch.Tensor           # [N] routing weight, the model's dtype
     expert_runs: tuple[tuple[int, int, int], ...] | None
     dispatch: object | None = None   # workers.models.moe_kernels.Dispatch
+    offsets: torch.Tensor | None = None   # grouped: [E + 1] int64 cumulative rows per expert
 
 
 class Router(nn.Module):
@@ -117,7 +125,9 @@ class GroupedLinear(nn.Module):
     def prepack(self, batch_hint: int = PACK_BATCH_HINT) -> bool:
         """Each expert's weight reordered once into oneDNN's blocked layout (CPU), as prepack_linears does for the
         dense linears: unpacked, a bf16 GEMM of a few rows re-lays the weight out each call (~3x slower here).
-        The [E, out, in] weight is dropped."""
+        The [E, out, in] weight is dropped. Not where the grouped kernel runs the experts: it reads [E, out, in]."""
+        if cpu_moe.applies(self.weight, self.weight):
+            return False
         if self.weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
             return False
         self.packed = nn.ParameterList(
@@ -148,9 +158,15 @@ class GroupedLinear(nn.Module):
         slices = 1 if self.parallel == "row" else 2
         return [(e, s) for e in range(self.weight.shape[0]) for s in range(slices) if (e, s) not in self.loaded]
 
+    def grouped(self, x: torch.Tensor) -> bool:
+        """Whether the CPU grouped kernel runs these experts for x (their weight kept unpacked for it)."""
+        return self.packed is None and cpu_moe.applies(x, self.weight)
+
     def forward(self, x: torch.Tensor, rows: ExpertRows) -> torch.Tensor:
         if rows.dispatch is not None:            # the NPU's grouped matmul over the device-side counts
             return rows.dispatch.grouped_matmul(x, self.weight)
+        if rows.offsets is not None:             # the CPU's grouped kernel, every expert in one call
+            return cpu_moe.grouped_gemm(x, self.weight, rows.offsets)
         weights = self.expert_weights()
         if rows.expert_runs is not None:
             y = x.new_empty(x.shape[0], self.out_features)
@@ -177,9 +193,7 @@ class MoeExperts(nn.Module):
     def gate_up(self, x: torch.Tensor, rows: ExpertRows) -> torch.Tensor:
         return self.gate_up_proj(x, rows)
 
-    def act(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+    act = staticmethod(MLP.act)   # silu(gate) * up
 
     def down(self, x: torch.Tensor, rows: ExpertRows) -> torch.Tensor:
         return self.down_proj(x, rows)
@@ -201,11 +215,18 @@ class MoeExperts(nn.Module):
         return self.combine(self.down(self.act(self.gate_up(xs, rows)), rows), rows, x.shape[0])
 
 
-def group_rows(weights: torch.Tensor, ids: torch.Tensor, num_experts: int, graph_safe: bool) -> ExpertRows:
-    """The (token, choice) rows of a step: grouped by expert eagerly, as they are when graph-safe."""
+def group_rows(weights: torch.Tensor, ids: torch.Tensor, num_experts: int, graph_safe: bool,
+               grouped: bool = False) -> ExpertRows:
+    """The (token, choice) rows of a step: sorted by expert with device-side counts for the grouped GEMM
+    (`grouped`), else grouped by expert eagerly, as they are when graph-safe."""
     T, k = ids.shape
     token = torch.arange(T, device=ids.device).repeat_interleave(k)
     expert, weight = ids.reshape(-1), weights.reshape(-1)
+    if grouped:
+        order = torch.argsort(expert, stable=True)   # as the eager grouping's: by token within an expert
+        expert = expert[order]
+        return ExpertRows(token[order], expert, weight[order], None,
+                          offsets=cpu_moe.expert_offsets(expert, num_experts))
     if graph_safe:
         return ExpertRows(token, expert, weight, None)
     order = torch.argsort(expert, stable=True)
@@ -231,7 +252,8 @@ class SparseMoeBlock(nn.Module):
             rows = self.kernel.route(x, self.gate, self.experts.num_experts)
         else:
             weights, ids = self.gate(x)
-            rows = group_rows(weights, ids, self.experts.num_experts, batch.graph_safe or self._graph_lora(batch))
+            rows = group_rows(weights, ids, self.experts.num_experts, batch.graph_safe or self._graph_lora(batch),
+                              self.experts.gate_up_proj.grouped(x))
         return self.tp.all_reduce(self.experts(x, rows, batch.lora))
 
     @staticmethod

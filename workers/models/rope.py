@@ -31,6 +31,16 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)
+        self._rounded: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [max_positions, head_dim] in `dtype`: what forward's per-row .to(dtype) gives, rounded once
+        (the CPU kernel reads them so, workers/cpu_ops.c)."""
+        if dtype == self.cos.dtype:
+            return self.cos, self.sin
+        if dtype not in self._rounded:
+            self._rounded[dtype] = self.cos.to(dtype), self.sin.to(dtype)
+        return self._rounded[dtype]
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, H, D], k: [T, KVH, D] rotated at `positions` [T]."""

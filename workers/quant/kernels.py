@@ -7,7 +7,12 @@
 One kernel object per model runner, chosen once by platform (`w8a8_kernel`); each layer packs its
 weight once (`pack`) and calls it. Every op has fixed shapes and never reads the host, so decode
 graphs capture it.
-- cpu: oneDNN's int8 GEMM (`torch.ops.onednn.qlinear_pointwise` on a prepacked weight), measured
+- cpu, AMX int8 (Sapphire Rapids and later): one C call per linear (workers/quant/cpu_w8a8.c) that
+  quantizes x, runs the int8 GEMM on AMX tiles and rescales into x's dtype, 1.4-2.4x faster than the
+  oneDNN path below at M = 1, 8 and 32 on the bench model's shapes (results/w8a8_fused.md), about
+  half the time of the bf16 linear: the bytes' ratio. LORASERVE_W8A8_KERNEL=onednn keeps the path below
+  (the benchmarks' A/B switch).
+- cpu otherwise: oneDNN's int8 GEMM (`torch.ops.onednn.qlinear_pointwise` on a prepacked weight), measured
   against `torch._int_mm` (2-3x slower at M = 1, 8 and 32 on the bench model's shapes) by
   benchmarks/int8_gemm.py (RESULTS.md: W8A8). Its activation scale is per tensor, so it is given 1.0
   and returns acc * weight_scale in fp32; the per-token scale is applied after, which keeps a
@@ -20,7 +25,11 @@ graphs capture it.
 """
 from __future__ import annotations
 
+import os
+
 import torch
+
+from workers.quant import cpu_w8a8
 
 TINY = torch.finfo(torch.float32).tiny   # an all-zero token quantizes to zeros, not 0/0
 
@@ -53,6 +62,19 @@ class CpuW8A8:
         return y.to(x.dtype)
 
 
+class FusedCpuW8A8:
+    name = "cpu:amx_fused"
+
+    def pack(self, weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        return (*cpu_w8a8.pack(weight, scale), *weight.shape)
+
+    def __call__(self, x: torch.Tensor, packed: tuple, bias: torch.Tensor | None) -> torch.Tensor:
+        weight, scale, out_features, in_features = packed
+        if torch._C._len_torch_dispatch_stack():   # a capture's tape or FakeTensor mode: the registered op
+            return torch.ops.loraserve.w8a8_linear(x, weight, scale, bias, out_features)
+        return cpu_w8a8.run(x, weight, scale, bias, out_features, in_features)
+
+
 class NpuW8A8:
     name = "npu:npu_quant_matmul"
 
@@ -72,7 +94,11 @@ class NpuW8A8:
 def w8a8_kernel(platform: str, dtype: torch.dtype, ops=None, device_name: str | None = None):
     """The W8A8 kernel for this platform and model dtype; ValueError naming what is not supported."""
     if platform == "cpu":
-        return CpuW8A8()
+        choice = os.environ.get("LORASERVE_W8A8_KERNEL", "fused")
+        if choice not in ("fused", "onednn"):
+            raise ValueError(f"LORASERVE_W8A8_KERNEL must be 'fused' or 'onednn', not {choice!r}")
+        fused = choice == "fused" and dtype in cpu_w8a8.DTYPES and cpu_w8a8.available()
+        return FusedCpuW8A8() if fused else CpuW8A8()
     if platform == "npu":
         if dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"W8A8 on npu needs dtype float16 or bfloat16 (npu_dynamic_quant), not {dtype}")

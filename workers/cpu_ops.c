@@ -1,0 +1,209 @@
+/* The element-wise parts of a decoder layer for the CPU, in plain C (built by lora/native.py):
+ * RMSNorm (with the residual add before it), q/k RMSNorm + rotary embedding + the KV-cache write
+ * of a step's rows, and SiLU-and-mul.
+ *
+ * Why: torch runs each of these as 4-10 ops, each a dispatch, an allocation and a pass over the
+ * rows (RMSNorm alone 36-60 us a call at batch 32); here each is one pass, rows split over the threads.
+ *
+ * Exactness: every value the torch reference rounds to the model's dtype is rounded here at the same
+ * point (workers/models/llama.py's RMSNorm, rope.py's RotaryEmbedding, SiLU then mul), so bf16
+ * results are the reference's up to the order of a row's sum of squares and exp's last bit.
+ * Layout: rows of D elements with unit stride, given a row stride (a view of a wider tensor);
+ * outputs dense. A position or a slot out of range fails the call (OUT_OF_RANGE).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "../lora/native.h"
+
+enum { OUT_OF_RANGE = 1 };
+
+/* One vector of W fp32 lanes and the few operations the kernels need: AVX-512 where built for it,
+ * else one lane (the same code, scalar). `n` is how many leading lanes a load or store touches. */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+typedef __m512 vf;
+#define W 16
+static inline __mmask16 lanes(int n) { return (__mmask16)(n >= 16 ? 0xffffu : (1u << n) - 1u); }
+static inline vf v_set(float a) { return _mm512_set1_ps(a); }
+static inline vf v_add(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf v_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+static inline vf v_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf v_div(vf a, vf b) { return _mm512_div_ps(a, b); }
+static inline float v_sum(vf a) { return _mm512_reduce_add_ps(a); }
+static inline vf ld_f32(const float *p, int n) { return _mm512_maskz_loadu_ps(lanes(n), p); }
+static inline vf ld_bf16(const uint16_t *p, int n) { return load_bf16(p, n < 16 ? n : 16); }
+static inline vf round_f32(vf v) { return v; }
+/* bf16_store's rounding, kept in fp32 lanes (the low half zero), so a later op sees the rounded value */
+static inline vf round_bf16(vf v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
+}
+static inline void st_f32(float *p, vf v, int n) { _mm512_mask_storeu_ps(p, lanes(n), v); }
+static inline void st_bf16(uint16_t *p, vf v, int n) {
+    _mm256_mask_storeu_epi16(p, lanes(n), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round_bf16(v)), 16)));
+}
+/* exp(x): 2^k * e^f, k = round(x / ln 2), f = x - k ln 2 in two parts (|f| <= ln 2 / 2), e^f by its
+ * degree-7 Taylor polynomial (truncation < 6e-9 relative); saturates to 0 / inf past fp32's range. */
+static inline vf v_exp(vf x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(89.f));
+    const vf k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    vf f = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), x);
+    f = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.428606765330187e-06f), f);
+    vf p = _mm512_set1_ps(1.f / 5040);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 720));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, k);
+}
+#else
+typedef float vf;
+#define W 1
+static inline vf v_set(float a) { return a; }
+static inline vf v_add(vf a, vf b) { return a + b; }
+static inline vf v_sub(vf a, vf b) { return a - b; }
+static inline vf v_mul(vf a, vf b) { return a * b; }
+static inline vf v_div(vf a, vf b) { return a / b; }
+static inline float v_sum(vf a) { return a; }
+static inline vf ld_f32(const float *p, int n) { (void)n; return *p; }
+static inline vf ld_bf16(const uint16_t *p, int n) { (void)n; return bf16_load(*p); }
+static inline vf round_f32(vf v) { return v; }
+static inline vf round_bf16(vf v) { return bf16_load(bf16_store(v)); }
+static inline void st_f32(float *p, vf v, int n) { (void)n; *p = v; }
+static inline void st_bf16(uint16_t *p, vf v, int n) { (void)n; *p = bf16_store(v); }
+static inline vf v_exp(vf x) { return expf(x); }
+#endif
+
+/* Split over the threads only for prefill-sized work: a decode step's rows are one pass of tens of microseconds,
+ * less than a parallel region's wake-up (torch's pool sleeps between the GEMMs' regions), and where other
+ * processes share the cores a thread descheduled at the region's barrier stalls the call for a time slice
+ * (in the engine at batch 32, load 8 on 2 cores: qkv_rope 15 ms a call split, 0.47 ms on one thread). */
+#define PARALLEL_MIN (1 << 18)
+
+/* out = w * round(x * rsqrt(mean(x^2) + eps)), rounded: RMSNorm.forward of one row (fp32 maths) */
+#define DEFINE_NORM_ROW(NAME, T, LD, ROUND, ST)                                                       \
+static inline void NAME(const T *x, const T *w, float eps, int64_t D, T *out) {                    \
+    vf acc = v_set(0.f);                                                                         \
+    for (int64_t d = 0; d < D; d += W) {                                                           \
+        const vf v = LD(x + d, (int)(D - d));                                                      \
+        acc = v_add(acc, v_mul(v, v));                                                             \
+    }                                                                                              \
+    const vf r = v_set(1.f / sqrtf(v_sum(acc) / (float)D + eps));                                 \
+    for (int64_t d = 0; d < D; d += W)                                                             \
+        ST(out + d, v_mul(LD(w + d, (int)(D - d)), ROUND(v_mul(LD(x + d, (int)(D - d)), r))), (int)(D - d)); \
+}
+DEFINE_NORM_ROW(norm_row_bf16, uint16_t, ld_bf16, round_bf16, st_bf16)
+DEFINE_NORM_ROW(norm_row_f32, float, ld_f32, round_f32, st_f32)
+
+/* x [rows, D] (row stride x_stride) -> out [rows, D]; with delta (row stride delta_stride): first
+ * sum = round(x + delta) [rows, D], normalised in its place (the residual add of a decoder layer). */
+#define DEFINE_RMS_NORM(NAME, T, ROW, LD, ST)                                                         \
+int NAME(const T *x, int64_t x_stride, const T *delta, int64_t delta_stride, T *sum, const T *w,  \
+         float eps, int64_t rows, int64_t D, T *out) {                                             \
+    _Pragma("omp parallel for if(rows * D > PARALLEL_MIN)")                                       \
+    for (int64_t i = 0; i < rows; i++) {                                                           \
+        const T *xi = x + i * x_stride;                                                            \
+        if (delta) {                                                                               \
+            for (int64_t d = 0; d < D; d += W)                                                     \
+                ST(sum + i * D + d, v_add(LD(xi + d, (int)(D - d)), LD(delta + i * delta_stride + d, (int)(D - d))), \
+                   (int)(D - d));                                                                  \
+            xi = sum + i * D;                                                                      \
+        }                                                                                          \
+        ROW(xi, w, eps, D, out + i * D);                                                           \
+    }                                                                                              \
+    return 0;                                                                                      \
+}
+DEFINE_RMS_NORM(rms_norm_bf16, uint16_t, norm_row_bf16, ld_bf16, st_bf16)
+DEFINE_RMS_NORM(rms_norm_f32, float, norm_row_f32, ld_f32, st_f32)
+
+/* SiLU-and-mul: x [rows, 2I] (gate | up, row stride x_stride) -> out [rows, I] =
+ * round(round(silu(gate)) * up), silu(g) = g / (1 + exp(-g)) as torch computes it. */
+#define DEFINE_SILU_AND_MUL(NAME, T, LD, ROUND, ST)                                                   \
+int NAME(const T *x, int64_t x_stride, int64_t rows, int64_t I, T *out) {                          \
+    _Pragma("omp parallel for if(rows * I > PARALLEL_MIN)")                                       \
+    for (int64_t i = 0; i < rows; i++) {                                                           \
+        const T *g = x + i * x_stride, *u = g + I;                                                 \
+        for (int64_t d = 0; d < I; d += W) {                                                       \
+            const int n = (int)(I - d);                                                            \
+            const vf gv = LD(g + d, n);                                                            \
+            const vf s = ROUND(v_div(gv, v_add(v_set(1.f), v_exp(v_sub(v_set(0.f), gv)))));        \
+            ST(out + i * I + d, v_mul(s, LD(u + d, n)), n);                                        \
+        }                                                                                          \
+    }                                                                                              \
+    return 0;                                                                                      \
+}
+DEFINE_SILU_AND_MUL(silu_and_mul_bf16, uint16_t, ld_bf16, round_bf16, st_bf16)
+DEFINE_SILU_AND_MUL(silu_and_mul_f32, float, ld_f32, round_f32, st_f32)
+
+/* A step's attention inputs from its qkv projection: qkv [T, (H + 2 KVH) D] (row stride qkv_stride).
+ * q / k heads RMSNorm-ed where q_w / k_w are given (Qwen3), then rotated at positions[t] with the
+ * cos / sin tables [max_positions, D] in the dtype (RotaryEmbedding.tables: its fp32 tables rounded once, as
+ * its forward rounds each row): out = round(round(x * cos) + round(rotate_half(x) * sin)). Writes q_out [T, H, D] and
+ * k_out [T, KVH, D], and k_out's and v's rows to the KV cache, [KVH, num_slots, D] each, at
+ * slot_mapping[t] (kv_cache.write_kv). */
+typedef struct {
+    const void *qkv;
+    int64_t qkv_stride, tokens, num_heads, num_kv_heads, head_dim;
+    const int64_t *positions;
+    const void *cos, *sin;
+    int64_t max_positions;
+    const void *q_weight, *k_weight;
+    float eps;
+    void *k_cache, *v_cache;
+    int64_t num_slots;
+    const int64_t *slot_mapping;
+    void *q_out, *k_out;
+} qkv_args;
+
+#define DEFINE_ROTATE(NAME, T, LD, ROUND, ST)                                                         \
+static inline void NAME(T *x, const T *cos, const T *sin, int64_t D) {                             \
+    const int64_t half = D / 2;                                                                    \
+    for (int64_t d = 0; d < half; d += W) {                                                        \
+        const int n = (int)(half - d);                                                             \
+        const vf a = LD(x + d, n), b = LD(x + half + d, n);                                        \
+        const vf c0 = LD(cos + d, n), s0 = LD(sin + d, n);                                         \
+        const vf c1 = LD(cos + half + d, n), s1 = LD(sin + half + d, n);                           \
+        ST(x + d, v_sub(ROUND(v_mul(a, c0)), ROUND(v_mul(b, s0))), n);                             \
+        ST(x + half + d, v_add(ROUND(v_mul(b, c1)), ROUND(v_mul(a, s1))), n);                      \
+    }                                                                                              \
+}
+DEFINE_ROTATE(rotate_bf16, uint16_t, ld_bf16, round_bf16, st_bf16)
+DEFINE_ROTATE(rotate_f32, float, ld_f32, round_f32, st_f32)
+
+#define DEFINE_QKV(NAME, T, ROW, ROTATE)                                                              \
+int NAME(const qkv_args *p) {                                                                      \
+    const int64_t H = p->num_heads, KVH = p->num_kv_heads, D = p->head_dim;                        \
+    for (int64_t t = 0; t < p->tokens; t++)                                                        \
+        if (p->positions[t] < 0 || p->positions[t] >= p->max_positions                             \
+            || p->slot_mapping[t] < 0 || p->slot_mapping[t] >= p->num_slots)                       \
+            return OUT_OF_RANGE;                                                                   \
+    _Pragma("omp parallel for if(p->tokens * (H + KVH) * D > PARALLEL_MIN)")                      \
+    for (int64_t i = 0; i < p->tokens * (H + KVH); i++) {                                          \
+        const int64_t t = i / (H + KVH), h = i % (H + KVH);                                        \
+        const T *src = (const T *)p->qkv + t * p->qkv_stride + h * D;                              \
+        const T *w = (const T *)(h < H ? p->q_weight : p->k_weight);                               \
+        T *dst = h < H ? (T *)p->q_out + (t * H + h) * D : (T *)p->k_out + (t * KVH + h - H) * D;  \
+        if (w)                                                                                     \
+            ROW(src, w, p->eps, D, dst);                                                           \
+        else                                                                                       \
+            memcpy(dst, src, sizeof(T) * D);                                                       \
+        const int64_t pos = p->positions[t];                                                       \
+        ROTATE(dst, (const T *)p->cos + pos * D, (const T *)p->sin + pos * D, D);                  \
+        if (h >= H) {                                                                              \
+            const int64_t slot = (h - H) * p->num_slots + p->slot_mapping[t];                      \
+            memcpy((T *)p->k_cache + slot * D, dst, sizeof(T) * D);                                \
+            memcpy((T *)p->v_cache + slot * D, src + KVH * D, sizeof(T) * D);                      \
+        }                                                                                          \
+    }                                                                                              \
+    return 0;                                                                                      \
+}
+DEFINE_QKV(qkv_rope_bf16, uint16_t, norm_row_bf16, rotate_bf16)
+DEFINE_QKV(qkv_rope_f32, float, norm_row_f32, rotate_f32)
