@@ -30,14 +30,24 @@ RULES = {request_module: ("check_prompt", "check_token_ids", "check_fits"),
          llm_server: ("check_choices", "room_to_generate"), protocol: ("check_choices",)}
 
 
+class Ingress(OpenAIIngress):
+    def __del__(self):   # Serve's shutdown hook (a coroutine) is for a deployed replica: none here
+        pass
+
+
+class Replica(LLMServer):
+    def __del__(self):   # as Ingress's; the fixture closes the engine
+        pass
+
+
 @pytest.fixture(scope="module")
 def replica(model_dir):
     """An LLMServer replica's request path on an engine in this process (its step thread), without Serve."""
     config = LLMConfig(model=str(model_dir("qwen3")), device="cpu", max_model_len=256)
-    server = object.__new__(LLMServer)
+    server = object.__new__(Replica)
     server.replica_id = "replica-0"
     server._use_engine(start_engine(config.engine_config(), {}, own_process=False), config)
-    ingress = object.__new__(OpenAIIngress)
+    ingress = object.__new__(Ingress)
     ingress.base_model, ingress.api_key, ingress.max_request_bytes = config.base_model_name, None, 1 << 20
     handle = SimpleNamespace(render_choices=SimpleNamespace(remote=server.render_choices),
                              render_stream=SimpleNamespace(remote=server.render_stream))
