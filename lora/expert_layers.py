@@ -12,7 +12,9 @@ backend:
     gate_up[n] += x[n] @ A13[m*E + e].T @ B13[m*E + e].T    (gate and up slices, A replicated)
     down[n]    += act[n] @ A2[m*E + e].T @ B2[m*E + e].T     (A cut on the input columns, B replicated)
 
-before the block's one all-reduce, as for the row-parallel linears. Duck-typed against
+before the block's one all-reduce, as for the row-parallel linears. Each delta is added right after its projection,
+on the block's own rows (on the CPU sorted by expert for the grouped GEMM, workers/models/cpu_moe.py; the rows'
+order does not matter to the ops, which read each row's combined index). Duck-typed against
 workers/models/qwen3_moe.py's MoeExperts (`gather`, `gate_up`, `act`, `down`, `combine`).
 """
 from __future__ import annotations

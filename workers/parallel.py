@@ -30,10 +30,13 @@ class TPGroup:
     size: int = 1
     group: object = None                      # torch.distributed process group when size > 1
     gather_small: bool = False                # gloo (CPU ranks): small all-reduces as one all-gather + sum
+    shm: object = None                        # CPU ranks of one node: a ShmCommunicator (shm_collectives.py)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
             return x
+        if self.shm is not None and self.shm.fits(x):
+            return self.shm.all_reduce(x)
         if self.gather_small and x.numel() * x.element_size() <= GATHER_MAX_BYTES:
             # every rank sums the same gathered rows in rank order: the ranks' results stay identical
             parts = x.new_empty(self.size * x.numel())
@@ -46,6 +49,8 @@ class TPGroup:
         """Concatenate every rank's x along the last dim."""
         if self.size == 1:
             return x
+        if self.shm is not None and self.shm.fits(x):
+            return self.shm.all_gather_last(x)
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)

@@ -1,11 +1,21 @@
 """WorkerGroup: one Ray actor per tensor-parallel rank, each running a `Worker`.
 
 Every rank executes every StepPlan (the ranks meet in the layers' collectives);
-rank 0 samples and returns the tokens. The plan is put in the object store once
-and every rank reads the same copy; so is each adapter the plan loads into a
-slot: the engine's validated host copy (one object per node), never its files,
-which ranks do not open. A rank that cannot install an adapter reports it, and
-only that adapter's requests fail. A rank that dies or raises makes the whole
+rank 0 samples and returns the tokens. Ray places the ranks, watches them and
+tears them down; the steps do not travel through it: each rank runs one
+long-lived call (`RayWorker.run`) that reads every step from a shared-memory
+queue the engine writes (shm_broadcast.py) and answers on a queue of its own,
+as vLLM's Ray executor does. The engine notices a rank whose loop ended (Ray
+reports the call finished or failed) while it waits for an answer. On the CPU
+the ranks' collectives go through shared memory too (shm_collectives.py).
+Each adapter a plan loads into a slot goes to the ranks through Ray's object
+store, one Ray call per rank on that step only: the engine's validated host
+copy (one object per node), never its files, which ranks do not open.
+LORASERVE_TP_DISPATCH=ray sends every step as a Ray call per rank with gloo's
+collectives (the path before shared memory: benchmarks/tp_dispatch.py compares
+the two); ranks on another node than the engine are driven that way too.
+A rank that cannot install an adapter reports it, and only that adapter's
+requests fail. A rank that dies or raises makes the whole
 group unhealthy at once: the survivors are killed (they would otherwise wait in
 a collective for a peer that never comes) and every later call raises, so Serve
 replaces the replica. Ray must already be running (the caller's cluster, or
@@ -15,9 +25,9 @@ from __future__ import annotations
 
 import collections
 import os
+import threading
 import time
 from dataclasses import replace
-from datetime import timedelta
 from typing import Callable
 
 import ray
@@ -29,106 +39,20 @@ from workers.config import EngineConfig
 from workers.device import Platform
 from workers.models.plain_config import PlainConfig
 from workers.plan import StepOutput, StepPlan
-from workers.ray_utils import (LOOPBACK, actor_resources, listen_on_loopback, local_device_index,
-                               worker_bundle_indices, worker_bundles)
+from workers.rank_actor import RayWorker
+from workers.ray_utils import actor_resources, worker_bundle_indices, worker_bundles
 from workers.runner import RuntimeInfo
+from workers.shm_broadcast import QueueTimeout, ShmQueue
 
 PLACEMENT_TIMEOUT_S = 60.0   # our own group on a cluster that lacks the devices: fail, don't wait forever
 START_TIMEOUT_S = 900.0      # weight loading of a large model
 STEP_TIMEOUT_S = 300.0       # a step may load adapters from disk; a dead rank is reported at once anyway
 HEALTH_TIMEOUT_S = 10.0
-DIST_TIMEOUT_S = 300.0       # bounds a collective whose peer vanished without Ray noticing
+TP_DISPATCH_ENV = "LORASERVE_TP_DISPATCH"   # "shm" (default) or "ray"
 
 
 class WorkerGroupError(RuntimeError):
     """A worker rank died, failed or stopped answering; the group (and its engine) is unusable."""
-
-
-@ray.remote(concurrency_groups={"health": 1})  # health pings answer while a step runs
-class RayWorker:
-    """One rank in its own process: device from Ray's assignment, then torch.distributed, then the Worker.
-
-    `start` and `execute` share the default concurrency group, one thread, so the
-    (per-thread) current device set in `start` still holds in every `execute`.
-    """
-
-    def __init__(self, config: EngineConfig, runtime: RuntimeInfo, platform: Platform, rank: int, world_size: int):
-        self.config, self.runtime, self.platform = config, runtime, platform
-        self.rank, self.world_size = rank, world_size
-        self.worker = None
-        self._store_listener = None
-        self._adapters: dict[tuple[str, int], object] = {}   # this step's shipped adapters by (name, load id)
-
-    def placement(self) -> dict:
-        """What Ray gave this rank: accelerator ids, the visible-devices variable, the logical device index."""
-        ids = ray.get_runtime_context().get_accelerator_ids().get(self.platform.ray_resource, [])
-        env = self.platform.visible_devices_env
-        visible = os.environ.get(env) if env else None
-        return {"rank": self.rank, "accelerator_ids": ids, "visible_devices": visible,
-                "device_index": local_device_index(ids, visible), "node_id": ray.get_runtime_context().get_node_id()}
-
-    def open_store_port(self) -> int:
-        """Rank 0: a socket listening on loopback for the torch.distributed store; returns its port.
-
-        A TCPStore that binds its own port listens on every interface; handed this
-        socket (`master_listen_fd`, torch's documented option) it serves on 127.0.0.1
-        only, and no other process can take the port between now and `start`.
-        """
-        self._store_listener = listen_on_loopback()
-        return self._store_listener.getsockname()[1]
-
-    def start(self, port: int) -> None:
-        import torch.distributed as dist
-
-        from workers.device import get_platform
-        from workers.parallel import TPGroup
-        from workers.worker import Worker
-
-        platform = get_platform(self.platform.name)   # imports torch_npu here, on the device's process
-        device_index = self.placement()["device_index"]
-        platform.set_device(device_index)             # before the process group: nccl / hccl bind to it
-        tp = TPGroup()
-        if self.world_size > 1:
-            if platform.dist_backend == "gloo":       # ranks share one node (STRICT_PACK): stay on loopback
-                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-            dist.init_process_group(platform.dist_backend, store=self._store(port), rank=self.rank,
-                                    world_size=self.world_size, timeout=timedelta(seconds=DIST_TIMEOUT_S))
-            tp = TPGroup(self.rank, self.world_size, dist.group.WORLD, gather_small=platform.dist_backend == "gloo")
-        self.worker = Worker(self.config, self.runtime, platform, self._shipped_adapter, tp, device_index)
-
-    def _shipped_adapter(self, ref: AdapterRef):
-        adapter = self._adapters.get(ref)
-        if adapter is None or isinstance(adapter, Exception):
-            raise adapter or RuntimeError(f"adapter {ref.name!r} (version {ref.version}) was not shipped with the step")
-        return adapter
-
-    def _store(self, port: int):
-        """The rendezvous store: rank 0 serves it on the loopback socket of `open_store_port`, the others dial it."""
-        import torch.distributed as dist
-
-        timeout = timedelta(seconds=DIST_TIMEOUT_S)
-        if self.rank == 0:   # the store now owns the socket's fd; the Python object must not close it
-            fd = self._store_listener.detach()
-            return dist.TCPStore(LOOPBACK, port, self.world_size, True, timeout, wait_for_workers=False,
-                                 master_listen_fd=fd)
-        return dist.TCPStore(LOOPBACK, port, self.world_size, False, timeout)
-
-    def execute(self, plan: StepPlan, *adapters) -> StepOutput | dict[str, str]:
-        """`adapters`: the plan's slot loads' adapters, in order (Ray resolves them from the object store)."""
-        self._adapters = {ref: adapter for (_, ref), adapter in zip(plan.lora_loads, adapters)}
-        try:
-            out = self.worker.execute(plan)
-        finally:
-            self._adapters = {}   # installed in the slots now: no second host copy kept
-        # the other ranks sampled the same tokens: only what they could not install comes back
-        return out if self.rank == 0 else out.failed_adapters
-
-    def resident_bytes(self) -> dict:
-        return self.worker.resident_bytes()
-
-    @ray.method(concurrency_group="health")
-    def is_alive(self) -> bool:
-        return True
 
 
 def spawn_workers(config: EngineConfig, runtime: RuntimeInfo, platform: Platform):
@@ -179,20 +103,45 @@ class WorkerGroup:
         self._shipped: collections.OrderedDict[AdapterRef, ray.ObjectRef] = collections.OrderedDict()
         self._max_shipped = config.max_loaded_loras
         self.error: str | None = None
+        self._steps: ShmQueue | None = None         # shared-memory dispatch: the steps to every rank,
+        self._answers: list[ShmQueue] = []           # each rank's answers,
+        self._loops: list[ray.ObjectRef] = []        # and each rank's `run` call
+        self._collectives = None                     # the CPU collectives' segment
+        self._lock = threading.Lock()                # one writer at a time: steps and stats calls
         self.workers, self.placement_group, self.owns_placement_group = spawn_workers(config, runtime, platform)
         try:
-            [port] = self._gather([self.workers[0].open_store_port.remote()], START_TIMEOUT_S, "start")
-            self._gather([w.start.remote(port) for w in self.workers], START_TIMEOUT_S, "start")
+            self._start(platform)
         except BaseException:
             self.close()
             raise
 
+    def _start(self, platform: Platform) -> None:
+        shm = os.environ.get(TP_DISPATCH_ENV, "shm") != "ray"
+        if shm and self.size > 1 and platform.dist_backend == "gloo":   # STRICT_PACK: the ranks share a node
+            from workers.shm_collectives import create_segment
+            self._collectives = create_segment(self.size)
+        [port] = self._gather([self.workers[0].open_store_port.remote()], START_TIMEOUT_S, "start")
+        name = self._collectives.name if self._collectives is not None else None
+        self._gather([w.start.remote(port, name) for w in self.workers], START_TIMEOUT_S, "start")
+        here = ray.get_runtime_context().get_node_id()
+        nodes = {p["node_id"] for p in self._gather([w.placement.remote() for w in self.workers], START_TIMEOUT_S,
+                                                    "start")}
+        if shm and nodes == {here}:   # shared memory reaches the ranks
+            self._steps = ShmQueue.create(readers=self.size)
+            self._answers = [ShmQueue.create(readers=1) for _ in self.workers]
+            self._loops = [w.run.remote(self._steps.handle, a.handle) for w, a in zip(self.workers, self._answers)]
+
     # ---- calls to every rank -------------------------------------------------
     def execute(self, plan: StepPlan) -> StepOutput:
-        plan_ref = ray.put(plan)
         refs = [self._ship(ref) for _, ref in plan.lora_loads]
-        out, *others = self._gather([w.execute.remote(plan_ref, *refs) for w in self.workers], self.step_timeout_s,
-                                    "step")
+        if self._steps is None:
+            plan_ref = ray.put(plan)
+            out, *others = self._gather([w.execute.remote(plan_ref, *refs) for w in self.workers],
+                                        self.step_timeout_s, "step")
+        else:
+            if refs:
+                self._gather([w.receive_adapters.remote(*refs) for w in self.workers], self.step_timeout_s, "step")
+            out, *others = self._call("step", plan)
         for failed in others:
             for ref, error in failed.items():
                 out.failed_adapters.setdefault(ref, error)
@@ -220,6 +169,35 @@ class WorkerGroup:
     def resident_bytes(self) -> list[dict]:
         """Per rank: parameter bytes by name, LoRA slot bytes, KV cache bytes."""
         return self._gather([w.resident_bytes.remote() for w in self.workers], self.step_timeout_s, "resident_bytes")
+
+    def _call(self, method: str, *args) -> list:
+        """`method` on every rank through shared memory: the answers in rank order. A rank that raised, whose
+        loop ended (its process died) or that gave no answer in time fails the group."""
+        with self._lock:
+            self._check()
+            try:
+                self._steps.put((method, args), self.step_timeout_s, self._check_loops)
+                # no spinning: on a CPU the ranks need the cores. Sleeping up to 1 ms between polls gave 5.6-5.9 ms
+                # TP 2 decode steps against 6.5-7.3 at 100 us (tiny Qwen3, loaded 2-core machine, alternating)
+                answers = [queue.get(self.step_timeout_s, self._check_loops, spin_s=0) for queue in self._answers]
+            except QueueTimeout:
+                self._fail(f"{method}: a rank gave no answer within {self.step_timeout_s:.0f}s")
+        for rank, (status, value) in enumerate(answers):
+            if status == "error":
+                self._fail(f"{method}: rank {rank} failed: {value}")
+        return [value for _, value in answers]
+
+    def _check_loops(self) -> None:
+        """The liveness monitor: a rank's loop that returned or failed (its process died) fails the group."""
+        ready, _ = ray.wait(self._loops, num_returns=1, timeout=0)
+        if ready:
+            rank = self._loops.index(ready[0])
+            try:
+                ray.get(ready[0])
+            except Exception as exc:
+                cause = getattr(exc, "cause", None) or exc
+                self._fail(f"step: rank {rank} failed: {type(cause).__name__}: {cause}", exc)
+            self._fail(f"step: rank {rank}'s loop ended")
 
     def _gather(self, refs: list, timeout_s: float, what: str) -> list:
         """Every result, in rank order; the first failure (or the deadline) fails the group at once.
@@ -257,6 +235,8 @@ class WorkerGroup:
         if self.error is not None:
             return False
         try:
+            if self._loops:
+                self._check_loops()
             self._gather([w.is_alive.remote() for w in self.workers], HEALTH_TIMEOUT_S, "health check")
         except WorkerGroupError:
             return False
@@ -270,7 +250,15 @@ class WorkerGroup:
         if self.error is None:
             self.error = "closed"
         self._kill_workers()
-        self.workers = []
+        with self._lock:   # a step in flight sees its ranks' loops end (the kill) and raises first
+            for queue in [self._steps, *self._answers]:
+                if queue is not None:
+                    queue.close()
+            self.workers, self._loops, self._steps, self._answers = [], [], None, []
+        if self._collectives is not None:
+            self._collectives.close()
+            self._collectives.unlink()
+            self._collectives = None
         if self.owns_placement_group:
             remove_placement_group(self.placement_group)
             self.owns_placement_group = False
