@@ -7,10 +7,11 @@ seeded request uses seed + i (as vLLM does), so each has its own reproducible st
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 from typing import AsyncIterator
 
-from workers.config import SamplingParams
+from workers.request import EngineRequest
 
 MAX_CHOICES = 16   # n, best_of: each choice is a sequence of its own
 
@@ -26,14 +27,16 @@ def check_choices(n: int, best_of: int | None = None, stream: bool = False) -> N
         raise ValueError("best_of > n cannot be streamed (the best ones are known only at the end)")
 
 
-def child_params(params: SamplingParams, index: int) -> SamplingParams:
-    if index == 0 or params.seed is None:
-        return params   # unseeded: the engine draws each request's own seed
-    return dataclasses.replace(params, seed=params.seed + index)
-
-
-def child_request_id(request_id: str | None, index: int, count: int) -> str | None:
-    return request_id if request_id is None or count == 1 else f"{request_id}-{index}"
+def choice(request: EngineRequest, index: int, count: int) -> EngineRequest:
+    """Choice `index` of `count`: the request as validated, its own id and seed (nothing is checked again)."""
+    if count == 1:
+        return request
+    params = request.params
+    if index and params.seed is not None:   # unseeded: the engine draws each request's own seed
+        params = copy.copy(params)
+        params.seed += index
+    request_id = None if request.request_id is None else f"{request.request_id}-{index}"
+    return dataclasses.replace(request, request_id=request_id, params=params)
 
 
 def best(outputs: list, n: int) -> list:

@@ -159,7 +159,7 @@ class LLMConfig(BaseModel):
         every file it reads against its roots, also gets each configured local adapter's directory (and
         where its files' symlinks lead, e.g. a Hub cache snapshot) as a root, and Hub ids when one is
         configured. Callers still get only the hot-load roots: LLMServer.load_adapter checks a hot-load
-        source against those before anything reads it (`check_hotload_source`). Run in the replica: the
+        source against those before anything reads it (`lora.sources.check_source_allowed`). Run in the replica: the
         paths are the replica's node's."""
         engine = self.engine_config()
         if not engine.adapter_roots:
@@ -178,9 +178,8 @@ class LLMConfig(BaseModel):
 
     # ---- Serve options -------------------------------------------------------------------------
     def in_process(self) -> bool:
-        """TP=1 runs the model inside the replica process (no worker actor), so the replica holds the device."""
-        engine = self.engine
-        return engine.tensor_parallel_size == 1 and engine.distributed_executor in ("auto", "inproc")
+        """The model runs inside the replica process (no worker actor), so the replica holds the device."""
+        return self.engine.runs_in_process
 
     def placement_group_bundles(self) -> list[dict[str, float]]:
         """Bundle 0 is the replica; then one device bundle per TP rank (the worker group takes the last ones)."""

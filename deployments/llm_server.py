@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator
 from ray import serve
 
 from deployments.adapter_mirror import AdapterMirror
-from deployments.choices import best, check_choices, child_params, child_request_id, merge
+from deployments.choices import best, check_choices, choice, merge
 from deployments.adapter_registry import RegistryClient
 from deployments.config import LLMConfig
 from deployments.errors import quiet_caller_errors
@@ -37,7 +37,8 @@ from lora.sources import is_hub_id
 from workers.async_engine import AsyncLLMEngine
 from workers.config import SamplingParams
 from workers.engine_process import start_engine
-from workers.limits import check_prompt, check_token_ids, room_to_generate
+from workers.request import EngineRequest
+from workers.limits import check_token_ids, room_to_generate
 from workers.output import TokenNames
 from workers.reasoning import think_tokens
 from workers.sequence import RequestOutput
@@ -54,15 +55,7 @@ class LLMServer(ReplicaAdapters):
         self._hotload_hub = config.engine_config().hub_adapters_allowed   # for callers: the hot-load roots' rule
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
-        self.engine = await asyncio.to_thread(_start_engine, config)   # minutes for a big model
-        self._token_names = TokenNames(self.engine.decode_tokenizer)
-        self._think = think_tokens(config.engine.reasoning_parser, self.engine.decode_tokenizer)   # chat's reasoning
-        self._batch_window_s = config.stream_batch_interval_ms / 1e3
-        engine_config = config.engine   # a property that builds an EngineConfig: read once
-        self._routing_limits = {"capacity": engine_config.max_num_seqs,
-                                "lora_budget": engine_config.max_loras_per_batch}
-        self.metrics = ServerMetrics(config.base_model_name, self.engine.max_model_len,
-                                     config.engine.max_loras_per_batch)
+        self._use_engine(await asyncio.to_thread(_start_engine, config), config)   # minutes for a big model
         registry = RegistryClient(context.app_name, config.base_model_name, config.registry_sync_interval_s)
         await registry.call(lambda actor: actor.seed.remote(config.adapters), REGISTRY_START_TIMEOUT_S)
         self.adapters = AdapterMirror(registry, self.engine, self.replica_id, config.registry_sync_interval_s,
@@ -84,6 +77,17 @@ class LLMServer(ReplicaAdapters):
         self._warm_adapter = serve.multiplexed(max_num_models_per_replica=config.models_per_replica)(
             load_for_routing)
 
+    def _use_engine(self, engine: AsyncLLMEngine, config: LLMConfig) -> None:
+        """What the request path needs of the engine and the config (all of it, for a replica without Serve)."""
+        self.engine = engine
+        self._token_names = TokenNames(engine.decode_tokenizer)
+        self._think = think_tokens(config.engine.reasoning_parser, engine.decode_tokenizer)   # chat's reasoning
+        self._batch_window_s = config.stream_batch_interval_ms / 1e3
+        engine_config = config.engine   # a property that builds an EngineConfig: read once
+        self._routing_limits = {"capacity": engine_config.max_num_seqs,
+                                "lora_budget": engine_config.max_loras_per_batch}
+        self.metrics = ServerMetrics(config.base_model_name, engine.max_model_len, engine_config.max_loras_per_batch)
+
     # ---- generation ---------------------------------------------------------------------------------
     async def generate(self, prompt: Prompt | None = None, sampling_params: SamplingParams | dict | None = None,
                        *, messages: list[dict] | None = None, request_id: str | None = None) -> ServedOutput:
@@ -102,13 +106,17 @@ class LLMServer(ReplicaAdapters):
         and bytes of every token it names (`token_names`, for logprobs); `tools`, `chat_template_kwargs`: rendered
         by the chat template (workers/tokenizer.render_chat)."""
         check_choices(n, best_of)
-        adapter, prompt_ids, params = await self._start(prompt, sampling_params, messages, tools, chat_template_kwargs)
+        return await self._choices(prompt, sampling_params, messages, request_id, n, best_of, echo, names, tools,
+                                   chat_template_kwargs)
+
+    async def _choices(self, prompt, sampling_params, messages, request_id, n, best_of, echo, names, tools,
+                       chat_template_kwargs) -> list[ServedOutput]:
+        """`generate_choices` of choices checked already (a handle call's, or the ingress's request body)."""
+        request = await self._start(prompt, sampling_params, messages, request_id, tools, chat_template_kwargs)
         count = best_of or n
         try:
             async with asyncio.TaskGroup() as group:   # one failing cancels the others (their requests abort)
-                tasks = [group.create_task(self._collect(adapter, prompt_ids, child_params(params, i),
-                                                         child_request_id(request_id, i, count)))
-                         for i in range(count)]
+                tasks = [group.create_task(self._collect(choice(request, i, count))) for i in range(count)]
         except BaseExceptionGroup as failed:   # the caller gets the error itself (its 4xx / 5xx class)
             raise failed.exceptions[0] from None
         outs = [task.result() for task in tasks]
@@ -130,9 +138,16 @@ class LLMServer(ReplicaAdapters):
         character, or a possible start of a stop string.
         """
         check_choices(n, stream=True)
-        adapter, prompt_ids, params = await self._start(prompt, sampling_params, messages, tools, chat_template_kwargs)
-        streams = [self._deltas(adapter, prompt_ids, child_params(params, i), child_request_id(request_id, i, n),
-                                i, prompt if echo else None, names) for i in range(n)]
+        async with aclosing(self._stream(prompt, sampling_params, messages, request_id, n, echo, names, tools,
+                                         chat_template_kwargs)) as items:
+            async for item in items:
+                yield item
+
+    async def _stream(self, prompt, sampling_params, messages, request_id, n, echo, names, tools,
+                      chat_template_kwargs) -> AsyncIterator[ServedOutput]:
+        """`generate_stream` of choices checked already (a handle call's, or the ingress's request body)."""
+        request = await self._start(prompt, sampling_params, messages, request_id, tools, chat_template_kwargs)
+        streams = [self._deltas(choice(request, i, n), i, prompt if echo else None, names) for i in range(n)]
         # one choice needs no merging (a task and a queue hop per token)
         async with aclosing(streams[0] if n == 1 else merge(streams)) as items:
             async for item in items:
@@ -145,9 +160,9 @@ class LLMServer(ReplicaAdapters):
                              chat_template_kwargs: dict | None = None) -> RenderedChoices | RenderedResponse:
         """A whole answer's choices for one prompt, as JSON (render.join_body makes the body); a Responses
         request's whole body."""
-        outs = await self.generate_choices(prompt, sampling_params, messages=messages, n=n, best_of=best_of,
-                                           echo=spec.echo, names=spec.logprobs, tools=tools,
-                                           chat_template_kwargs=chat_template_kwargs)
+        # n and best_of: checked with the request body (deployments/protocol.py)
+        outs = await self._choices(prompt, sampling_params, messages, None, n, best_of, spec.echo, spec.logprobs,
+                                   tools, chat_template_kwargs)
         return spec.render(outs, self.replica_id, self._think)
 
     async def render_stream(self, prompt: Prompt | None, sampling_params: dict, spec: RenderSpec | ResponsesSpec, *,
@@ -160,9 +175,9 @@ class LLMServer(ReplicaAdapters):
         renderer = spec.stream_renderer(self._think)
 
         async def events() -> AsyncIterator[str]:
-            async with aclosing(self.generate_stream(prompt, sampling_params, messages=messages, n=n,
-                                                     echo=spec.echo, names=spec.logprobs, tools=tools,
-                                                     chat_template_kwargs=chat_template_kwargs)) as items:
+            # n: checked with the request body (deployments/protocol.py)
+            async with aclosing(self._stream(prompt, sampling_params, messages, None, n, spec.echo, spec.logprobs,
+                                             tools, chat_template_kwargs)) as items:
                 async for item in items:
                     yield renderer.feed(item)
             yield renderer.finish()
@@ -173,23 +188,22 @@ class LLMServer(ReplicaAdapters):
                 yield (self.replica_id, batch) if first else batch
                 first = False
 
-    async def _collect(self, adapter, prompt_ids: list[int], params: SamplingParams,
-                       request_id: str | None) -> ServedOutput:
+    async def _collect(self, request: EngineRequest) -> ServedOutput:
         token_ids, logprobs, text, top, prompt_logprobs, last = [], [], [], [], None, None
-        async with aclosing(self._outputs(adapter, prompt_ids, params, request_id)) as outputs:
+        async with aclosing(self._outputs(request)) as outputs:
             async for last in outputs:
                 token_ids += last.token_ids
                 logprobs += last.logprobs
                 text.append(last.text)
                 top += last.top_logprobs or []
                 prompt_logprobs = last.prompt_logprobs if last.prompt_logprobs is not None else prompt_logprobs
-        return self._served(last, prompt_ids, token_ids, "".join(text), logprobs,
-                            top if params.top_logprobs else None, prompt_logprobs)
+        return self._served(last, request.prompt_token_ids, token_ids, "".join(text), logprobs,
+                            top if request.params.top_logprobs else None, prompt_logprobs)
 
-    async def _deltas(self, adapter, prompt_ids: list[int], params: SamplingParams, request_id: str | None,
-                      index: int, echo_prompt: Prompt | None, names: bool) -> AsyncIterator[ServedOutput]:
-        first = True
-        async with aclosing(self._outputs(adapter, prompt_ids, params, request_id)) as outputs:
+    async def _deltas(self, request: EngineRequest, index: int, echo_prompt: Prompt | None,
+                      names: bool) -> AsyncIterator[ServedOutput]:
+        first, prompt_ids = True, request.prompt_token_ids
+        async with aclosing(self._outputs(request)) as outputs:
             async for out in outputs:
                 if out.token_ids or out.text or out.finished:
                     item = self._served(out, prompt_ids if first else [], out.token_ids, out.text, out.logprobs,
@@ -210,47 +224,40 @@ class LLMServer(ReplicaAdapters):
             out.token_names = {t: self._token_names(t) for t in ids}
         return out
 
-    async def _start(self, prompt, sampling_params, messages, tools=None,
-                     chat_template_kwargs=None) -> tuple[str | None, list[int], SamplingParams]:
+    async def _start(self, prompt: Prompt | None, sampling_params, messages, request_id: str | None,
+                     tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> EngineRequest:
+        """The engine request, built and validated once (its choices share it): the adapter, the prompt's token
+        ids (tokenized here, in front of the engine), the sampling parameters, the structured-output spec."""
         adapter = await self._adapter_for_request()   # an unknown adapter is a 404 before anything else
-        prompt, params = await self._prepare(prompt, sampling_params, messages, tools, chat_template_kwargs)
+        if messages is not None:
+            if prompt is not None:
+                raise ValueError("give a prompt or chat messages, not both")
+            prompt = await self.engine.render_chat(messages, tools=tools, chat_template_kwargs=chat_template_kwargs)
+        params = sampling_params
+        if not isinstance(params, SamplingParams):
+            kwargs = dict(params or {})
+            if kwargs.get("max_tokens") is None and messages is not None and prompt:   # chat: the rest of the context
+                # (rendered already: token ids)
+                kwargs["max_tokens"] = room_to_generate(len(prompt), self.engine.max_model_len)
+            params = SamplingParams(**{k: v for k, v in kwargs.items() if v is not None})
+        request = await self.engine.make_request(prompt, params, adapter, request_id)
         if params.structured is not None:   # an invalid schema is a 400 here, before any choice is queued
             await self.engine.check_grammar(params.structured)
-        return adapter, prompt, params
+        return request
 
-    async def _outputs(self, adapter: str | None, prompt: list[int], params: SamplingParams,
-                       request_id: str | None) -> AsyncIterator[RequestOutput]:
-        request, last, outcome = RequestTimer(adapter, len(prompt)), None, "error"
+    async def _outputs(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        timer, last, outcome = RequestTimer(request.adapter, len(request.prompt_token_ids)), None, "error"
         try:
-            async with aclosing(self.engine.generate(prompt, params, adapter, request_id, delta=True)) as stream:
+            async with aclosing(self.engine.generate_request(request, delta=True)) as stream:
                 async for last in stream:
-                    self.metrics.record_output(request, last)   # TTFT / inter-token latency: as they arrive
+                    self.metrics.record_output(timer, last)   # TTFT / inter-token latency: as they arrive
                     yield last
             outcome = last.finish_reason
         except (asyncio.CancelledError, GeneratorExit):
             outcome = "abort"
             raise
         finally:
-            self.metrics.record_request(request, outcome)
-
-    async def _prepare(self, prompt: Prompt | None, sampling_params, messages,
-                       tools: list[dict] | None = None,
-                       chat_template_kwargs: dict | None = None) -> tuple[list[int], SamplingParams]:
-        """Token ids (tokenized here, in front of the engine) and the sampling parameters."""
-        if messages is not None:
-            if prompt is not None:
-                raise ValueError("give a prompt or chat messages, not both")
-            prompt = await self.engine.render_chat(messages, tools=tools, chat_template_kwargs=chat_template_kwargs)
-        check_prompt(prompt)
-        if isinstance(prompt, str):
-            prompt = await self.engine.encoder.encode(prompt)
-        if isinstance(sampling_params, SamplingParams):
-            return prompt, sampling_params
-        kwargs = dict(sampling_params or {})
-        if kwargs.get("max_tokens") is None and messages is not None:   # chat default: the rest of the context
-            kwargs["max_tokens"] = room_to_generate(len(prompt), self.engine.max_model_len)
-        kwargs = {k: v for k, v in kwargs.items() if v is not None}
-        return prompt, SamplingParams(**kwargs)
+            self.metrics.record_request(timer, outcome)
 
     def _served(self, out: RequestOutput, prompt_token_ids, token_ids, text, logprobs, top_logprobs=None,
                 prompt_logprobs=None, num_prompt_tokens: int | None = None) -> ServedOutput:

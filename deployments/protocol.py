@@ -20,7 +20,6 @@ from deployments.choices import MAX_CHOICES, check_choices
 from deployments.strict import StrictModel, shown
 from deployments.tool_calls import END as TOOL_CALL_END
 from workers.config import MAX_LOGPROBS, SamplingParams
-from workers.limits import check_prompt
 
 # accepted and ignored: they label or route a request on OpenAI's side and change nothing in the answer
 HARMLESS = frozenset({"user", "metadata", "safety_identifier", "prompt_cache_key", "service_tier",
@@ -84,6 +83,12 @@ class OpenAIRequest(SamplingFields):
     response_format: ResponseFormat | None = None              # deployments/structured.py
     structured_outputs: StructuredOutputs | None = None        # vLLM extension
 
+    @model_validator(mode="after")
+    def _check_choices(self):
+        """n and best_of: checked here for the HTTP edge (a handle call's in LLMServer)."""
+        check_choices(self.n, getattr(self, "best_of", None), self.stream)   # (the bounds are the fields' too)
+        return self
+
     def constraint(self):
         return constraint(self.response_format, self.structured_outputs)
 
@@ -125,8 +130,7 @@ class CompletionRequest(OpenAIRequest):
     best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)     # sample this many, return the n likeliest
 
     @model_validator(mode="after")
-    def _choices(self):
-        check_choices(self.n, self.best_of, self.stream)   # (the bounds are the fields' too: a 400 naming them)
+    def _scoring_needs_echo(self):
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens: 0 generates nothing; it is only for scoring a prompt, with echo: true")
         return self
@@ -156,7 +160,8 @@ class CompletionRequest(OpenAIRequest):
         prompt = self.prompt
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             return [prompt]
-        check_prompt(prompt)
+        if not prompt:   # no prompt at all (each prompt's own rule is workers.limits.check_prompt, once)
+            raise ValueError("prompt is empty")
         if len(prompt) > MAX_PROMPTS:
             raise ValueError(f"prompt holds {len(prompt)} prompts; at most {MAX_PROMPTS} per request")
         return list(prompt)

@@ -13,8 +13,8 @@ from typing import Any
 from ray import serve
 
 from lora.names import check_adapter_name
-from lora.errors import AdapterError, AdapterNotFoundError, AdapterPathError
-from lora.sources import is_hub_id
+from lora.errors import AdapterError, AdapterNotFoundError
+from lora.sources import check_source_allowed, is_hub_id
 
 
 class ReplicaAdapters:
@@ -51,7 +51,8 @@ class ReplicaAdapters:
             raise AdapterError(f"adapter {name!r}: lora_path {str(source)[:200]!r} must be an absolute directory or a "
                                "Hub id (org/name[@revision]); relative paths are refused")
         self._check_not_configured(name, "replaced")
-        await asyncio.to_thread(check_hotload_source, name, source, self.config.engine.adapter_roots,
+        # the hot-load roots alone (the engine's roots also hold the configured adapters' directories)
+        await asyncio.to_thread(check_source_allowed, name, source, self.config.engine.adapter_roots,
                                 self._hotload_hub)
         try:
             current = await self.adapters.source_of(name)
@@ -84,20 +85,3 @@ class ReplicaAdapters:
         """Name -> source of every adapter of the app (this replica's last copy while the registry restarts)."""
         return await self.adapters.snapshot()
 
-
-def check_hotload_source(name: str, source: str, adapter_roots: list[str], allow_hub: bool) -> None:
-    """A hot-load's source against the hot-load roots alone (the engine's roots also hold the configured
-    adapters' directories). Same rules and the same single refusal as lora.sources.resolve_source: a path
-    outside the roots is never described (missing, not a directory and not allowed read the same)."""
-    if is_hub_id(source) and (adapter_roots or not os.path.exists(source)):
-        if not allow_hub:
-            raise AdapterPathError(f"adapter {name!r}: {source!r} is not a local directory and Hub ids are "
-                                   "not allowed with adapter_roots (allow_hub_adapters=True permits them)")
-        return
-    if adapter_roots:
-        real = os.path.realpath(source)
-        inside = any(os.path.commonpath([real, os.path.realpath(root)]) == os.path.realpath(root)
-                     for root in adapter_roots)
-        if not (inside and os.path.isdir(real)):
-            raise AdapterPathError(f"adapter {name!r}: {source!r} is not an adapter directory inside the "
-                                   "allowed adapter roots")

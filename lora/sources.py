@@ -38,21 +38,28 @@ def resolve_source(name: str, source: str, adapter_roots: Sequence[str] | None,
     outside the roots exists, is a directory or is a symlink is never told.
     """
     roots = adapter_roots or ()
+    if check_source_allowed(name, source, roots, allow_hub):
+        return _snapshot(name, source), ()   # Hub snapshots live in the HF cache, which the roots do not restrict
     path = Path(source)
-    if is_hub_id(source) and (roots or not path.exists()):
-        if not allow_hub:
-            raise AdapterPathError(f"adapter {name!r}: {source!r} is not a local directory and Hub ids are "
-                                   "not allowed with adapter_roots (allow_hub_adapters=True permits them)")
-        # Hub snapshots live in the HF cache, which the roots do not restrict.
-        return _snapshot(name, source), ()
-    if roots:
-        if not (_inside_roots(path, roots) and path.is_dir()):
-            raise AdapterPathError(f"adapter {name!r}: {source!r} is not an adapter directory inside the "
-                                   "allowed adapter roots")
-        return path, roots
     if not path.is_dir():
         raise AdapterNotFoundError(f"adapter {name!r}: source {source!r} is not a directory nor a Hub id (org/name)")
     return path, roots
+
+
+def check_source_allowed(name: str, source: str, adapter_roots: Sequence[str] | None, allow_hub: bool) -> bool:
+    """The adapter roots' rule, for a hot-load before anything is published and for every load: a Hub id
+    only where allowed, a local source only as a directory inside the roots (one refusal, whatever a path
+    outside them is). True when `source` is a Hub id."""
+    roots = adapter_roots or ()
+    if is_hub_id(source) and (roots or not os.path.exists(source)):
+        if not allow_hub:
+            raise AdapterPathError(f"adapter {name!r}: {source!r} is not a local directory and Hub ids are "
+                                   "not allowed with adapter_roots (allow_hub_adapters=True permits them)")
+        return True
+    if roots and not (_inside_roots(Path(source), roots) and os.path.isdir(source)):
+        raise AdapterPathError(f"adapter {name!r}: {source!r} is not an adapter directory inside the "
+                               "allowed adapter roots")
+    return False
 
 
 def _inside_roots(path: Path, roots: Sequence[str]) -> bool:

@@ -17,7 +17,7 @@ from lora.errors import AdapterError
 from processes import REPO, engine_processes
 from transformers import AutoTokenizer
 from workers import EngineConfig, SamplingParams
-from workers.engine_process import EngineProcess, runs_in_process
+from workers.engine_process import EngineProcess
 from workers.errors import EngineDeadError
 from workers.grammar import StructuredSpec
 
@@ -115,9 +115,11 @@ def test_configured_adapters_are_loaded_before_it_is_ready_and_an_invalid_gramma
 
 
 def test_only_an_engine_of_the_callers_process_runs_in_one():
-    assert runs_in_process(EngineConfig(model="m")) and runs_in_process(
-        EngineConfig(model="m", tensor_parallel_size=2, distributed_executor="inproc"))
-    assert not runs_in_process(EngineConfig(model="m", tensor_parallel_size=2))
+    assert EngineConfig(model="m").runs_in_process and EngineConfig(model="m", distributed_executor="inproc").runs_in_process
+    assert not EngineConfig(model="m", tensor_parallel_size=2).runs_in_process
+    assert not EngineConfig(model="m", distributed_executor="ray").runs_in_process
+    with pytest.raises(ValueError, match="needs one process per rank"):   # one rule: refused where it is read
+        EngineConfig(model="m", tensor_parallel_size=2, distributed_executor="inproc")
     with pytest.raises(ValueError, match="not the ranks of a Ray executor"):
         EngineProcess(EngineConfig(model="m", tensor_parallel_size=2))
 

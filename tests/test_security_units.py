@@ -299,7 +299,7 @@ def test_a_callers_mistake_is_one_info_line_without_traceback():
 def test_adapter_roots_bound_hot_loads_not_the_configured_adapters(tmp_path):
     """Configured adapters are the operator's: the replica's engine also takes their directories (and where
     their files' symlinks lead) as roots; a caller's hot-load is checked against the hot-load roots alone."""
-    from deployments.replica_adapters import check_hotload_source
+    from lora.sources import check_source_allowed as check_hotload_source   # the one roots rule
     from lora.errors import AdapterPathError
 
     root, configured, blobs = tmp_path / "root", tmp_path / "configured", tmp_path / "blobs"

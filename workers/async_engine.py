@@ -22,16 +22,18 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import itertools
 import queue
 import threading
+from contextlib import aclosing
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from lora.errors import AdapterLoadTimeoutError
 from workers.config import SamplingParams
 from workers.errors import EngineDeadError, RequestError
 from workers.grammar import StructuredSpec
-from workers.limits import check_prompt
+from workers.request import EngineRequest, build_request
 from workers.output import RequestState
 from workers.sequence import RequestOutput, TokenDelta
 from workers.stream import RequestStream
@@ -85,16 +87,29 @@ class AsyncLLMEngine:
                                               chat_template_kwargs)
 
     # ---- caller side (any event loop) ---------------------------------------------------------------
+    async def make_request(self, prompt: Prompt, params: SamplingParams | None = None, adapter: str | None = None,
+                           request_id: str | None = None) -> EngineRequest:
+        """A caller's edge: the prompt tokenized (on the tokenizer thread), the request validated once
+        (workers/request.py)."""
+        token_ids = await self.encoder.encode(prompt) if isinstance(prompt, str) else list(prompt or [])
+        return build_request(prompt, token_ids, params or SamplingParams(), adapter, request_id,
+                             self.max_model_len, self.vocab_size)
+
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, adapter: str | None = None,
                        request_id: str | None = None, delta: bool = False) -> AsyncIterator[RequestOutput]:
         """Outputs of one request, cumulative (or, with `delta`, only what is new in each); the last one is
         finished. Leaving early aborts it."""
-        params = params or SamplingParams()
-        request_id = request_id or f"async-{next(self._ids)}"
-        check_prompt(prompt)
-        if isinstance(prompt, str):
-            prompt = await self.encoder.encode(prompt)
-        state = RequestState(request_id, list(prompt), params, self.decode_tokenizer, adapter)
+        request = await self.make_request(prompt, params, adapter, request_id)
+        async with aclosing(self.generate_request(request, delta)) as outputs:
+            async for out in outputs:
+                yield out
+
+    async def generate_request(self, request: EngineRequest, delta: bool = False) -> AsyncIterator[RequestOutput]:
+        """`generate` of a request built already (`make_request`): nothing is checked again."""
+        if request.request_id is None:
+            request = dataclasses.replace(request, request_id=f"async-{next(self._ids)}")
+        request_id, params = request.request_id, request.params
+        state = RequestState(request_id, request.prompt_token_ids, params, self.decode_tokenizer, request.adapter)
         stream = RequestStream(asyncio.get_running_loop())
         with self._streams_lock:
             if request_id in self._streams:
@@ -102,7 +117,7 @@ class AsyncLLMEngine:
             self._streams[request_id] = stream   # before it is queued, so no output can be missed
         added = ended = False
         try:
-            await self._enqueue(state.prompt_token_ids, params, adapter, request_id)
+            await self._enqueue(request)
             added = True
             while not state.finished:
                 stopped = False
@@ -128,10 +143,9 @@ class AsyncLLMEngine:
     async def _grammar(self, spec: StructuredSpec | None):
         return None if spec is None else await asyncio.wrap_future(self.engine.grammars.compile(spec))
 
-    async def _enqueue(self, prompt: list[int], params: SamplingParams, adapter: str | None,
-                       request_id: str) -> None:
+    async def _enqueue(self, request: EngineRequest) -> None:
         """Queue a request in the engine (its grammar compiled first: an invalid one raises here, unqueued)."""
-        await self._call(self._add, prompt, params, adapter, request_id, await self._grammar(params.structured))
+        await self._call(self._add, request, await self._grammar(request.params.structured))
 
     def _release(self, request_id: str) -> None:
         """The engine stops a request and frees its KV and adapter (its reader has what it wants)."""
@@ -251,10 +265,8 @@ class AsyncLLMEngine:
             except Exception as exc:  # noqa: BLE001  (the caller's error, raised in the caller)
                 future.set_exception(exc)
 
-    def _add(self, prompt: list[int], params: SamplingParams, adapter: str | None, request_id: str,
-             grammar=None) -> None:
-        self.engine.add_request(prompt, params, adapter, request_id, detokenize=False, grammar=grammar)
-        self._active.add(request_id)
+    def _add(self, request: EngineRequest, grammar=None) -> None:
+        self._active.add(self.engine.add(request, detokenize=False, grammar=grammar))
 
     def _drop(self, request_id: str) -> None:
         self._active.discard(request_id)

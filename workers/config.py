@@ -82,6 +82,12 @@ class EngineConfig:
         """Hub ids bypass adapter_roots (their files live in the HF cache), so roots alone forbid them."""
         return self.allow_hub_adapters if self.allow_hub_adapters is not None else not self.adapter_roots
 
+    @property
+    def runs_in_process(self) -> bool:
+        """The model runs in the engine's own process (one in-process Worker, no rank actors): TP 1 unless
+        Ray is asked for. Then the engine's process holds the device (and may be a process of its own)."""
+        return self.tensor_parallel_size == 1 and self.distributed_executor != "ray"
+
     def __post_init__(self):
         def need(ok: bool, msg: str):
             if not ok:
@@ -94,6 +100,9 @@ class EngineConfig:
         need(self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1")
         need(self.distributed_executor in ("auto", "inproc", "ray"),
              "distributed_executor must be auto, inproc or ray")
+        need(self.tensor_parallel_size == 1 or self.distributed_executor != "inproc",
+             f"tensor_parallel_size={self.tensor_parallel_size} needs one process per rank; use "
+             "distributed_executor='auto' or 'ray'")
         need(self.device_resource is None or (isinstance(self.device_resource, str) and self.device_resource != ""),
              f"device_resource must be a Ray resource name or None, got {self.device_resource!r}")
         need(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")

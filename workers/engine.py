@@ -30,7 +30,8 @@ from workers.reasoning import ReasoningGate, think_tokens
 from workers.quant.description import read_quantization
 from workers.runner import TORCH_DTYPES, RuntimeInfo
 from workers.sequence import RequestOutput, Sequence, TokenDelta
-from workers.limits import check_fits, check_prompt, check_prompt_chars, check_token_ids
+from workers.request import EngineRequest, build_request
+from workers.limits import check_prompt_chars
 from workers.tokenizer import encode, max_prompt_chars
 from workers.worker import Worker
 
@@ -100,17 +101,13 @@ class LLMEngine:
         then is pinning host memory worth anything, and only then is it safe. A replica with remote
         workers holds no device (Ray hides every NPU from it, and torch_npu's pinned allocator then
         fails); its adapters travel to the workers through Ray anyway."""
-        cfg = self.config
-        return self.platform.name != "cpu" and cfg.tensor_parallel_size == 1 and cfg.distributed_executor != "ray"
+        return self.platform.name != "cpu" and self.config.runs_in_process
 
     def _make_executor(self):
         """In-process Worker for TP=1, else a WorkerGroup of Ray actors (Ray must be running: see worker_group.py)."""
         cfg = self.config
-        if cfg.tensor_parallel_size == 1 and cfg.distributed_executor != "ray":
+        if cfg.runs_in_process:
             return Worker(cfg, self.runtime, self.platform, self._resident_adapter)
-        if cfg.distributed_executor == "inproc":
-            raise ValueError(f"tensor_parallel_size={cfg.tensor_parallel_size} needs one process per rank; "
-                             "use distributed_executor='auto' or 'ray'")
         from workers.worker_group import WorkerGroup  # imports Ray only when actors are asked for
         return WorkerGroup(cfg, self.runtime, self.platform, self._resident_adapter)
 
@@ -136,41 +133,47 @@ class LLMEngine:
         return RuntimeInfo(path, hf_config, dtype, max_model_len, num_blocks, read_quantization(path, hf_config))
 
     # ---- requests ----------------------------------------------------------
-    def _make_sequence(self, prompt: Prompt, params: SamplingParams, adapter: str | None,
-                       request_id: str | None, grammar=None) -> Sequence:
-        check_prompt(prompt)
-        vocab, max_len = self.runtime.hf_config.vocab_size, self.runtime.max_model_len
+    def make_request(self, prompt: Prompt, params: SamplingParams | None = None, adapter: str | None = None,
+                     request_id: str | None = None) -> EngineRequest:
+        """The synchronous API's edge: the prompt tokenized, the request validated (workers/request.py)."""
+        max_len = self.runtime.max_model_len
         if isinstance(prompt, str):
             check_prompt_chars(len(prompt), self.max_prompt_chars, max_len)
             token_ids = encode(self.tokenizer, prompt)
         else:
-            token_ids = list(prompt)
-            check_token_ids(token_ids, vocab, "prompt token ids")
-        check_prompt(token_ids)   # also a text of nothing but what the tokenizer drops
-        check_token_ids(params.logit_bias or {}, vocab, "logit_bias token ids")
-        check_fits(len(token_ids), params.max_tokens, max_len)
+            token_ids = list(prompt or [])
+        return build_request(prompt, token_ids, params or SamplingParams(), adapter, request_id, max_len,
+                             self.runtime.hf_config.vocab_size)
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, adapter: str | None = None,
+                    request_id: str | None = None, *, detokenize: bool = True, grammar=None) -> str:
+        """Queue a request. detokenize=False: its text is made by the caller, from `step_deltas`; `step` then
+        reports nothing for it. `grammar`: params.structured compiled already (`self.grammars.compile`), else
+        it is compiled now."""
+        return self.add(self.make_request(prompt, params, adapter, request_id), detokenize, grammar)
+
+    def add(self, request: EngineRequest, detokenize: bool = True, grammar=None) -> str:
+        """The core's entry: a request built by an edge (`make_request`, AsyncLLMEngine.make_request), trusted."""
+        return self._queue(self._sequence(request, grammar), detokenize)
+
+    def _sequence(self, request: EngineRequest, grammar=None) -> Sequence:
+        """What only the core can check: the adapter registered here, the request id free."""
+        adapter, params = request.adapter, request.params
         if adapter is not None:
             if self.adapters is None:
                 raise ValueError(f"adapter {adapter!r} requested but LoRA is disabled (enable_lora=False)")
             self.adapters.check_known(adapter)
         seed = params.seed if params.seed is not None else self._rng.randrange(2**32)
-        request_id = request_id or f"req-{next(self._ids)}"
+        request_id = request.request_id or f"req-{next(self._ids)}"
         if request_id in self._seqs:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        seq = Sequence(request_id, token_ids, params, seed, adapter)
+        seq = Sequence(request_id, request.prompt_token_ids, params, seed, adapter)
         if params.structured is not None:   # compiled here unless the caller compiled it off this thread
             seq.matcher = GrammarMatcher(grammar or self.grammars.compile_now(params.structured))
             if self.think is not None:
-                seq.matcher = ReasoningGate(seq.matcher, self.think.end_id, self.think.reasoning_ended(token_ids))
+                seq.matcher = ReasoningGate(seq.matcher, self.think.end_id,
+                                            self.think.reasoning_ended(request.prompt_token_ids))
         return seq
-
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, adapter: str | None = None,
-                    request_id: str | None = None, *, detokenize: bool = True, grammar=None) -> str:
-        """Queue a request. detokenize=False: its text is made by the caller, from `step_deltas` (the async
-        engine does this in front of its step thread); `step` then reports nothing for it. `grammar`:
-        params.structured compiled already (`self.grammars.compile`), else it is compiled now."""
-        seq = self._make_sequence(prompt, params or SamplingParams(), adapter, request_id, grammar)
-        return self._queue(seq, detokenize)
 
     def _queue(self, seq: Sequence, detokenize: bool) -> str:
         self._seqs[seq.request_id] = seq
@@ -243,7 +246,7 @@ class LLMEngine:
         adapters = list(adapters) if adapters is not None else [None] * len(prompts)
         if not len(prompts) == len(params) == len(adapters):
             raise ValueError(f"got {len(prompts)} prompts, {len(params)} sampling params, {len(adapters)} adapters")
-        seqs = [self._make_sequence(p, sp, a, None) for p, sp, a in zip(prompts, params, adapters)]
+        seqs = [self._sequence(self.make_request(p, sp, a)) for p, sp, a in zip(prompts, params, adapters)]
         ids = [self._queue(seq, detokenize=True) for seq in seqs]   # all validated before any is queued
         done: dict[str, RequestOutput] = {}
         while len(done) < len(ids):

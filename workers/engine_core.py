@@ -1,7 +1,7 @@
 """The engine process's side (started by workers/engine_process.py as `python -m workers.engine_core FD`): it
 builds the LLMEngine, loads the configured adapters, then runs the step loop of an AsyncLLMEngine whose
-outputs, lost requests and death go to the replica over the socket, and answers the replica's calls by name
-on an event loop of its own. It exits when the socket closes."""
+outputs, lost requests and death go to the replica over the socket, and answers the replica's typed messages
+(workers/core_messages.py) on an event loop of its own. It exits when the socket closes."""
 from __future__ import annotations
 
 import asyncio
@@ -11,7 +11,9 @@ import signal
 import sys
 import threading
 from multiprocessing.connection import Connection
+from typing import Any, Awaitable, Callable
 
+from workers import core_messages as msg
 from workers.async_engine import AsyncLLMEngine
 from workers.engine_process import build_engine
 from workers.errors import EngineDeadError
@@ -44,6 +46,19 @@ class _ChildEngine(AsyncLLMEngine):
             pass
 
 
+def _handlers(core: _ChildEngine) -> dict[type, Callable[[Any], Awaitable]]:
+    """Each call's message type -> what the child's engine does for it (awaited on the child's loop)."""
+    return {msg.AddRequest: lambda m: core._enqueue(m.request),
+            msg.AbortRequest: lambda m: core._drop_now(m.request_id),
+            msg.CompileGrammar: lambda m: core.check_grammar(m.spec),
+            msg.LoadAdapter: lambda m: core.load_adapter(m.name, m.source, m.pinned),
+            msg.UnloadAdapter: lambda m: core.unload_adapter(m.name),
+            msg.ListAdapters: lambda m: core.list_adapters(),
+            msg.PrefetchAdapters: lambda m: core.prefetch_adapters(list(m.names), list(m.replace)),
+            msg.GetStats: lambda m: core.stats(),
+            msg.CheckHealth: lambda m: core.check_health()}
+
+
 def _serve(conn: Connection) -> None:
     lock = threading.Lock()
 
@@ -73,22 +88,23 @@ def _serve(conn: Connection) -> None:
     loop = asyncio.new_event_loop()
     tasks: set[asyncio.Task] = set()
 
-    async def call(call_id: int, method: str, args: tuple) -> None:
+    handlers = _handlers(core)
+
+    async def call(call_id: int, message) -> None:
         try:
-            result = getattr(core, method)(*args)
-            send_safely("reply", call_id, True, await result if asyncio.iscoroutine(result) else result)
+            send_safely("reply", call_id, True, await handlers[type(message)](message))
         except Exception as exc:  # noqa: BLE001  (the caller's error, raised in the parent)
             send_safely("reply", call_id, False, exc)
 
-    def handle(message: tuple) -> None:
-        if message[0] == "call":
-            task = loop.create_task(call(*message[1:]))
+    def handle(envelope: tuple) -> None:
+        if envelope[0] == "call":
+            task = loop.create_task(call(*envelope[1:]))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
-        elif message[1] == "close":
+        elif isinstance(envelope[1], msg.Close):
             loop.stop()
-        else:
-            getattr(core, message[1])(*message[2])
+        else:   # a posted ReleaseRequest
+            core._release(envelope[1].request_id)
 
     def read() -> None:   # off the loop: a message is read whole while the loop runs calls
         try:

@@ -4,10 +4,11 @@ In one process the engine's step thread shares the GIL with the replica's event 
 token of every request through Ray Serve (~0.5 ms of Python a token): under load each step waited for it.
 Here the child process runs the LLMEngine and its step loop (an AsyncLLMEngine whose outputs go down a
 socket, one message per step); the parent, an AsyncLLMEngine without an engine, tokenizes, keeps the
-requests' streams and decodes their text, and asks the child for everything else by name (`_remote`).
+requests' streams and decodes their text, and asks the child for everything else by typed messages
+(workers/core_messages.py, `_remote`).
 
 The child is workers/engine_core.py. One socketpair carries pickled tuples. Parent -> child: ("call", id,
-method, args) answered by ("reply", id, ok, value), and ("post", method, args) answered by nothing.
+message) answered by ("reply", id, ok, value), and ("post", message) answered by nothing.
 Child -> parent: ("ready", facts), ("out", [TokenDelta]), ("lost", [request id]), ("dead", message),
 ("reply", ...). The child exits when the socket closes (the replica died or closed it) and the parent
 fails every stream and call when the child goes (EngineDeadError), so Serve's health check replaces the
@@ -28,19 +29,15 @@ import threading
 from multiprocessing.connection import Connection
 from typing import Any
 
+from workers import core_messages as msg
 from workers.async_engine import AsyncLLMEngine
 from workers.config import EngineConfig
+from workers.request import EngineRequest
 from workers.errors import EngineDeadError, RequestError
 from workers.grammar import StructuredSpec
 
 START_TIMEOUT_S = 1800.0   # a big model loads for minutes
 CLOSE_TIMEOUT_S = 30.0
-
-
-def runs_in_process(config: EngineConfig) -> bool:
-    """Whether the engine of `config` runs in its caller's process (what a child process can hold)."""
-    return config.distributed_executor == "inproc" or (
-        config.distributed_executor == "auto" and config.tensor_parallel_size == 1)
 
 
 def build_engine(config: EngineConfig, adapters: dict[str, str]):
@@ -53,9 +50,9 @@ def build_engine(config: EngineConfig, adapters: dict[str, str]):
 
 
 def start_engine(config: EngineConfig, adapters: dict[str, str], own_process: bool = True) -> AsyncLLMEngine:
-    """An engine in a process of its own when `own_process` and it can be (`runs_in_process`), else on a
+    """An engine in a process of its own when `own_process` and it can be (`EngineConfig.runs_in_process`), else on a
     thread of this process."""
-    if own_process and runs_in_process(config):
+    if own_process and config.runs_in_process:
         return EngineProcess(config, adapters)
     return AsyncLLMEngine(build_engine(config, adapters))
 
@@ -64,9 +61,9 @@ class EngineProcess(AsyncLLMEngine):
     """An AsyncLLMEngine whose engine runs in a child process (started here; adapters loaded before ready)."""
 
     def __init__(self, config: EngineConfig, adapters: dict[str, str] | None = None):
-        if not runs_in_process(config):
-            raise ValueError("an engine process holds an in-process engine (tensor_parallel_size=1 or "
-                             "distributed_executor='inproc'), not the ranks of a Ray executor")
+        if not config.runs_in_process:
+            raise ValueError("an engine process holds an in-process engine (tensor_parallel_size=1, not "
+                             "distributed_executor='ray'), not the ranks of a Ray executor")
         ours, theirs = socket.socketpair()
         self._proc = subprocess.Popen([sys.executable, "-m", "workers.engine_core", str(theirs.fileno())],
                                       pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
@@ -108,44 +105,44 @@ class EngineProcess(AsyncLLMEngine):
     def vocab_size(self) -> int:
         return self._vocab_size
 
-    # ---- what the child does, asked by name ---------------------------------------------------------
-    async def _enqueue(self, prompt: list[int], params, adapter: str | None, request_id: str) -> None:
-        await self._remote("_enqueue", prompt, params, adapter, request_id)
+    # ---- what the child does, asked by typed messages (workers/core_messages.py) --------------------
+    async def _enqueue(self, request: EngineRequest) -> None:
+        await self._remote(msg.AddRequest(request))
 
     def _release(self, request_id: str) -> None:
-        self._post("_release", request_id)
+        self._post(msg.ReleaseRequest(request_id))
 
     async def _drop_now(self, request_id: str) -> None:
-        await self._remote("_drop_now", request_id)
+        await self._remote(msg.AbortRequest(request_id))
 
     async def check_grammar(self, spec: StructuredSpec) -> None:
-        await self._remote("check_grammar", spec)
+        await self._remote(msg.CompileGrammar(spec))
 
     async def load_adapter(self, name: str, source: str, pinned: bool = False) -> str:
-        return await self._remote("load_adapter", name, source, pinned)
+        return await self._remote(msg.LoadAdapter(name, source, pinned))
 
     async def unload_adapter(self, name: str) -> None:
-        await self._remote("unload_adapter", name)
+        await self._remote(msg.UnloadAdapter(name))
 
     async def list_adapters(self) -> dict[str, str]:
-        return await self._remote("list_adapters")
+        return await self._remote(msg.ListAdapters())
 
     async def prefetch_adapters(self, names: list[str], replace: list[str] = ()) -> list[str]:
-        return await self._remote("prefetch_adapters", names, list(replace))
+        return await self._remote(msg.PrefetchAdapters(tuple(names), tuple(replace)))
 
     async def stats(self) -> dict:
-        return await self._remote("stats")
+        return await self._remote(msg.GetStats())
 
     def is_healthy(self) -> bool:
         return self._dead is None and self._proc.poll() is None
 
     async def check_health(self) -> bool:
-        return self.is_healthy() and await self._remote("check_health")
+        return self.is_healthy() and await self._remote(msg.CheckHealth())
 
     def close(self) -> None:
         if self._proc.poll() is None:
             try:
-                self._send(("post", "close", ()))
+                self._send(("post", msg.Close()))
             except OSError:
                 pass
         self._stop_child()
@@ -153,19 +150,19 @@ class EngineProcess(AsyncLLMEngine):
         self.encoder.close()
 
     # ---- the socket ---------------------------------------------------------------------------------
-    async def _remote(self, method: str, *args) -> Any:
+    async def _remote(self, message) -> Any:
         future: concurrent.futures.Future = concurrent.futures.Future()
         call_id = next(self._call_ids)
         self._calls[call_id] = future
         if self._dead is not None:   # also after the put: _die fails what it finds
             self._fail_calls(self._dead)
         else:
-            self._send_or_die(("call", call_id, method, args))
+            self._send_or_die(("call", call_id, message))
         return await asyncio.wrap_future(future)
 
-    def _post(self, method: str, *args) -> None:
+    def _post(self, message) -> None:
         if self._dead is None:
-            self._send_or_die(("post", method, args))
+            self._send_or_die(("post", message))
 
     def _send(self, message: tuple) -> None:
         with self._send_lock:

@@ -1,12 +1,14 @@
-"""The request rules each entry point checks (HTTP, Serve handle, engine), each written once: a prompt is
-present, fits `max_model_len` with its `max_tokens`, and names only ids of the vocabulary. Sampling
-parameters' own ranges are SamplingParams' (workers/config.py), adapter names lora.adapter's."""
+"""The request rules, each written once and run once per request where the request is built
+(workers/request.py): a prompt is present, fits `max_model_len` with its `max_tokens`, and names
+only ids of the vocabulary. Sampling parameters' own ranges are SamplingParams' (workers/config.py),
+adapter names lora.names'."""
 from __future__ import annotations
 
 
-def check_prompt(prompt) -> None:
-    """A prompt (text, token ids, or a list of prompts) with something in it."""
-    if prompt is None or (isinstance(prompt, (str, list, tuple)) and not prompt):
+def check_prompt(prompt, token_ids: list[int]) -> None:
+    """A prompt (text or token ids) with something in it, also once tokenized (a text of nothing but what
+    the tokenizer drops)."""
+    if prompt is None or (isinstance(prompt, (str, list, tuple)) and not prompt) or not token_ids:
         raise ValueError("prompt is empty")
 
 
