@@ -12,6 +12,7 @@ code paths of CPUs without AVX-512 or its bf16 instructions).
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -103,3 +104,18 @@ def load(source: Path, symbols: dict[str, list]) -> ctypes.CDLL | None:
                 lib = None
         _loaded[source] = lib
         return lib
+
+
+def library(source: Path, symbols: dict[str, list], ready=lambda lib: True):
+    """A kernel module's (load, available): `load()` the library once per process (called on every layer's call:
+    the lookup must cost nothing), None when it did not build or `ready(lib)` is false; `available()` a fact of
+    the process that torch.compile need not trace."""
+    @functools.cache
+    def load_once() -> ctypes.CDLL | None:
+        lib = load(source, symbols)
+        return lib if lib is not None and ready(lib) else None
+
+    @constant_result
+    def available() -> bool:
+        return load_once() is not None
+    return load_once, available

@@ -8,7 +8,6 @@ fp16, keep torch's).
 from __future__ import annotations
 
 import ctypes
-import functools
 from pathlib import Path
 
 import torch
@@ -30,14 +29,7 @@ class _Args(ctypes.Structure):
                 ("batch", ctypes.c_int64), ("scale", ctypes.c_float)]
 
 
-@functools.cache   # on every layer's call: the lookup must cost nothing
-def _load() -> ctypes.CDLL | None:
-    return native.load(SOURCE, {name: [ctypes.c_void_p] for name in _SYMBOLS.values()})
-
-
-@native.constant_result   # a fact of the process: torch.compile need not trace the build
-def available() -> bool:
-    return _load() is not None
+_load, available = native.library(SOURCE, {name: [ctypes.c_void_p] for name in _SYMBOLS.values()})
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -29,15 +29,8 @@ _ARGTYPES = {"rms_norm": [_P, _I, _P, _I, _P, _P, ctypes.c_float, _I, _I, _P],
 ENABLED = os.environ.get("LORASERVE_CPU_OPS", "1") != "0"
 
 
-@functools.cache   # on every layer's call: the lookup must cost nothing
-def _load() -> ctypes.CDLL | None:
-    return native.load(SOURCE, {f"{op}_{suffix}": types for op, types in _ARGTYPES.items()
-                                for suffix in _DTYPES.values()})
-
-
-@native.constant_result   # a fact of the process: torch.compile need not trace the build
-def available() -> bool:
-    return _load() is not None
+_load, available = native.library(SOURCE, {f"{op}_{suffix}": types for op, types in _ARGTYPES.items()
+                                            for suffix in _DTYPES.values()})
 
 
 @functools.cache

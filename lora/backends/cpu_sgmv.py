@@ -13,7 +13,6 @@ lora.backends.get_backend runs torch_native: same results, slower with many adap
 from __future__ import annotations
 
 import ctypes
-import functools
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -27,15 +26,8 @@ _SYMBOLS = {torch.bfloat16: ("sgmv_add_bf16", "bgmv_add_bf16"), torch.float32: (
 OUT_OF_MEMORY, OUT_OF_RANGE = 1, 2   # the kernel's nonzero returns
 
 
-@functools.cache   # on every layer's call: the lookup must cost nothing
-def _load() -> ctypes.CDLL | None:
-    argtypes = {"sgmv": [ctypes.c_void_p, ctypes.c_int64], "bgmv": [ctypes.c_void_p, ctypes.c_void_p]}
-    return native.load(SOURCE, {name: argtypes[name[:4]] for names in _SYMBOLS.values() for name in names})
-
-
-@native.constant_result   # a fact of the process: torch.compile need not trace the build
-def available() -> bool:
-    return _load() is not None
+_ARGTYPES = {"sgmv": [ctypes.c_void_p, ctypes.c_int64], "bgmv": [ctypes.c_void_p, ctypes.c_void_p]}
+_load, available = native.library(SOURCE, {name: _ARGTYPES[name[:4]] for names in _SYMBOLS.values() for name in names})
 
 
 def supports(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: Sequence[torch.Tensor]) -> bool:

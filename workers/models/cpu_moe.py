@@ -18,7 +18,6 @@ torch._grouped_mm needs 16-byte row strides; shapes without them stay on the ker
 from __future__ import annotations
 
 import ctypes
-import functools
 import os
 from pathlib import Path
 
@@ -43,14 +42,7 @@ class _Args(ctypes.Structure):
                 ("num_rows", ctypes.c_int64)]
 
 
-@functools.cache   # on every layer's call: the lookup must cost nothing
-def _load() -> ctypes.CDLL | None:
-    return native.load(SOURCE, {name: [ctypes.c_void_p] for name in _SYMBOLS.values()})
-
-
-@native.constant_result   # a fact of the process: torch.compile need not trace the build
-def available() -> bool:
-    return _load() is not None
+_load, available = native.library(SOURCE, {name: [ctypes.c_void_p] for name in _SYMBOLS.values()})
 
 
 def applies(x: torch.Tensor, w: torch.Tensor) -> bool:

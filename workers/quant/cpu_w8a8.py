@@ -12,7 +12,6 @@ Needs AMX int8 (Sapphire Rapids and later) and Linux's permission for its tile s
 from __future__ import annotations
 
 import ctypes
-import functools
 from pathlib import Path
 
 import torch
@@ -26,15 +25,7 @@ DTYPES = (torch.bfloat16, torch.float32)
 OUT_OF_MEMORY = 1   # the kernel's nonzero returns (3: no AMX, which available() rules out)
 
 
-@functools.cache
-def _load() -> ctypes.CDLL | None:
-    lib = native.load(SOURCE, _SYMBOLS)
-    return lib if lib is not None and lib.w8a8_init() == 0 else None
-
-
-@native.constant_result   # a fact of the process: torch.compile need not trace the build
-def available() -> bool:
-    return _load() is not None
+_load, available = native.library(SOURCE, _SYMBOLS, ready=lambda lib: lib.w8a8_init() == 0)
 
 
 def pack(weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
