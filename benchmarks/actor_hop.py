@@ -13,6 +13,7 @@ to match), so the ratios measure the hop, not thread counts.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -47,6 +48,36 @@ def decode_step_seconds(engine, prompts, steps: int) -> list[float]:
     return times
 
 
+@contextlib.contextmanager
+def tiny_engines(modes: dict, prefix: str, num_cpus: int, before_each=lambda mode: None):
+    """An LLMEngine per mode (its EngineConfig keywords) on one tiny random Qwen3 checkpoint, CPU, float32, one
+    torch thread per process, on a private loopback Ray; closed, Ray stopped and the temp dir removed after."""
+    import ray
+    import torch
+
+    from factories import make_model
+    from workers import EngineConfig, LLMEngine
+    from workers.ray_utils import init_local_ray
+
+    torch.set_num_threads(1)
+    work = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))   # short: Ray's socket paths have a length limit
+    engines = {}
+    try:
+        model = make_model(work / "model", "qwen3")
+        init_local_ray(str(work / "ray"), num_cpus=num_cpus)
+        for mode, kwargs in modes.items():
+            before_each(mode)
+            engines[mode] = LLMEngine(EngineConfig(model=str(model), device="cpu", dtype="float32",
+                                                   max_model_len=256, enforce_eager=True, cpu_threads=1,
+                                                   **kwargs))
+        yield engines
+    finally:
+        for engine in engines.values():
+            engine.close()
+        ray.shutdown()   # before removing its temp dir, which its processes write to
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def main() -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=4)
@@ -58,20 +89,9 @@ def main() -> dict:
     import ray
     import torch
 
-    from factories import PROMPTS, make_model
-    from workers import EngineConfig, LLMEngine
-    from workers.ray_utils import init_local_ray
+    from factories import PROMPTS
 
-    torch.set_num_threads(1)
-    work = Path(tempfile.mkdtemp(prefix="lshop", dir="/tmp"))   # short: Ray's socket paths have a length limit
-    engines = {}
-    try:
-        model = make_model(work / "model", "qwen3")
-        init_local_ray(str(work / "ray"), num_cpus=3)
-        for mode, kwargs in MODES.items():
-            engines[mode] = LLMEngine(EngineConfig(model=str(model), device="cpu", dtype="float32",
-                                                   max_model_len=256, enforce_eager=True, cpu_threads=1,
-                                                   **kwargs))
+    with tiny_engines(MODES, "lshop", num_cpus=3) as engines:
         prompts = PROMPTS[:args.batch]
         for engine in engines.values():   # warm-up round, not recorded
             decode_step_seconds(engine, prompts, 4)
@@ -79,11 +99,6 @@ def main() -> dict:
         for _ in range(args.rounds):
             for mode, engine in engines.items():
                 samples[mode] += decode_step_seconds(engine, prompts, args.steps)
-    finally:
-        for engine in engines.values():
-            engine.close()
-        ray.shutdown()   # before removing its temp dir, which its processes write to
-        shutil.rmtree(work, ignore_errors=True)
 
     median_ms = {mode: 1e3 * statistics.median(s) for mode, s in samples.items()}
     base = median_ms["tp1_inprocess"]

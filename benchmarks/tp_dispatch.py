@@ -19,17 +19,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))   # the tiny-checkpoint factory shared with the tests
 
-from benchmarks.actor_hop import decode_step_seconds   # noqa: E402
+from benchmarks.actor_hop import decode_step_seconds, tiny_engines   # noqa: E402
 from benchmarks.common import machine_info, write_result   # noqa: E402
 from benchmarks.procfs import process_cpu_seconds   # noqa: E402
 
@@ -91,42 +89,29 @@ def main() -> dict:
     parser.add_argument("--idle", type=float, default=30.0, help="seconds without a step before the after-idle step")
     args = parser.parse_args()
 
-    import ray
-    import torch
-
-    from factories import PROMPTS, make_model
-    from workers import EngineConfig, LLMEngine
-    from workers.ray_utils import init_local_ray
+    from factories import PROMPTS
     from workers.worker_group import TP_DISPATCH_ENV
 
-    torch.set_num_threads(1)
-    work = Path(tempfile.mkdtemp(prefix="lstpd", dir="/tmp"))   # short: Ray's socket paths have a length limit
-    engines = {}
+    def dispatch(mode: str) -> None:   # read when the group starts
+        os.environ[TP_DISPATCH_ENV] = "ray" if mode == "tp2_ray" else "shm"
+
     try:
-        model = make_model(work / "model", "qwen3")
-        init_local_ray(str(work / "ray"), num_cpus=4)
-        for mode, kwargs in MODES.items():
-            os.environ[TP_DISPATCH_ENV] = "ray" if mode == "tp2_ray" else "shm"   # read when the group starts
-            engines[mode] = LLMEngine(EngineConfig(model=str(model), device="cpu", dtype="float32",
-                                                   max_model_len=256, enforce_eager=True, cpu_threads=1, **kwargs))
-        os.environ.pop(TP_DISPATCH_ENV)
-        assert engines["tp2_shm"].executor._steps is not None and engines["tp2_ray"].executor._steps is None  # noqa
-        for engine in engines.values():   # warm-up, not recorded
-            decode_step_seconds(engine, PROMPTS[:1], 4)
-        trips = {mode: [] for mode in TP2}
-        steps = {mode: [] for mode in engines}
-        for _ in range(args.rounds):
-            for mode in TP2:
-                trips[mode] += [round_trip_seconds(engines[mode].executor, mode == "tp2_shm")
-                                for _ in range(args.trips)]
-            for mode, engine in engines.items():
-                steps[mode] += decode_step_seconds(engine, PROMPTS[:1], args.steps)
-        idle = idle_measures(engines, args.idle, min(10.0, args.idle / 2))
+        with tiny_engines(MODES, "lstpd", num_cpus=4, before_each=dispatch) as engines:
+            os.environ.pop(TP_DISPATCH_ENV)
+            assert engines["tp2_shm"].executor._steps is not None and engines["tp2_ray"].executor._steps is None  # noqa
+            for engine in engines.values():   # warm-up, not recorded
+                decode_step_seconds(engine, PROMPTS[:1], 4)
+            trips = {mode: [] for mode in TP2}
+            steps = {mode: [] for mode in engines}
+            for _ in range(args.rounds):
+                for mode in TP2:
+                    trips[mode] += [round_trip_seconds(engines[mode].executor, mode == "tp2_shm")
+                                    for _ in range(args.trips)]
+                for mode, engine in engines.items():
+                    steps[mode] += decode_step_seconds(engine, PROMPTS[:1], args.steps)
+            idle = idle_measures(engines, args.idle, min(10.0, args.idle / 2))
     finally:
-        for engine in engines.values():
-            engine.close()
-        ray.shutdown()   # before removing its temp dir, which its processes write to
-        shutil.rmtree(work, ignore_errors=True)
+        os.environ.pop(TP_DISPATCH_ENV, None)
 
     step_ms = {mode: 1e3 * statistics.median(s) for mode, s in steps.items()}
     result = {
