@@ -87,6 +87,7 @@ def ours_worker(spec_path: str, out_path: str) -> None:
                                     max_loras_per_batch=spec["max_loras"],
                                     max_loaded_loras=max(spec["max_loras"], len(spec["adapters"])),
                                     max_lora_rank=spec["rank"], lora_target_modules=ALL7, kv_cache_memory_gb=1.0,
+                                    enable_lora=spec["enable_lora"],   # base-only jobs run LoRA off, as vLLM's
                                     max_num_batched_tokens=max(2048, spec["batch"] * spec["max_model_len"])))
     for name, path in spec["adapters"].items():
         engine.load_adapter(name, path)
