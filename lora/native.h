@@ -69,4 +69,28 @@ static inline __m512 reduce16(const __m512 *v) {
 }
 #endif
 
+#if defined(__AMX_TILE__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* Linux lends AMX's tile state to a process only on request (permission is process-wide: torch's OpenMP threads
+ * may use it once granted). 0 when granted. */
+static inline int amx_permit(void) {
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) != 0;
+}
+
+/* all 8 tiles 16 rows x 64 bytes (the kernels' one shape), on the calling thread */
+static inline void amx_configure(void) {
+    struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        cfg.rows[i] = 16;
+        cfg.colsb[i] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+#endif
+
 #endif

@@ -37,6 +37,8 @@ def _reference(x, w, offsets):
 SHAPES = [   # (rows per expert, in, out): tails of every block and vector
     ([1], 1, 1), ([3, 0, 5], 17, 3), ([0, 9, 1, 4], 33, 70), ([2, 0, 0, 7, 1], 64, 129), ([4, 5], 1029, 5),
     ([6, 0, 1], 24, 64), ([5, 0, 7], 32, 16), ([9, 3], 64, 40),
+    # the AMX tiles' (dims multiples of 32): row blocks of 16 in pairs, a pair's second block partial or absent
+    ([17, 0, 33, 1], 64, 96), ([40], 1024, 64), ([3, 16, 0, 32], 32, 32),
 ]
 
 
@@ -55,8 +57,20 @@ def test_grouped_gemm_matches_per_expert_gemms(counts, in_dim, out_dim, dtype, k
         assert ((y.float() - expected.float()).abs() <= step).all()
 
 
-def test_threads_share_the_experts_without_changing_a_value():
-    x, w, offsets = _operands([3, 0, 2, 5, 1, 4], 1024, 300, torch.bfloat16, seed=3)   # past PARALLEL_MIN
+def test_many_rows_per_expert_in_bf16_run_on_amx_tiles_where_the_cpu_and_dims_allow():
+    with open("/proc/cpuinfo") as f:
+        amx = "amx_bf16" in next((line for line in f if line.startswith("flags")), "").split()
+    assert cpu_moe.amx_available() == amx
+    for counts, in_dim, out_dim in SHAPES:
+        x, w, _ = _operands(counts, in_dim, out_dim, torch.bfloat16)
+        many = len(counts) * cpu_moe.KERNEL_ROWS_PER_EXPERT < sum(counts)
+        assert cpu_moe._amx(x, w) == (amx and many and in_dim % 32 == 0 and out_dim % 32 == 0)
+        assert not cpu_moe._amx(x.float(), w.float())
+
+
+@pytest.mark.parametrize("out_dim", [300, 320], ids=["vector", "amx"])
+def test_threads_share_the_experts_without_changing_a_value(out_dim):
+    x, w, offsets = _operands([3, 0, 2, 5, 1, 4], 1024, out_dim, torch.bfloat16, seed=3)   # past PARALLEL_MIN
     previous = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

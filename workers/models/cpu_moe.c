@@ -33,7 +33,7 @@ typedef struct {
     int64_t y_stride, num_rows;
 } moe_args;
 
-enum { OUT_OF_MEMORY = 1, OUT_OF_RANGE = 2 };
+enum { OUT_OF_MEMORY = 1, OUT_OF_RANGE = 2, NO_AMX = 3, WRONG_SHAPE = 4 };
 #define OB 4               /* outputs of one block */
 #define TB 4               /* rows of one block */
 #define ITEM_OUT 64        /* outputs of one thread's work item */
@@ -130,19 +130,29 @@ static void NAME(const moe_args *a, int64_t e, int64_t o_begin, int64_t o_end, i
 DEFINE_ITEM(item_bf16, uint16_t, block_bf16)
 DEFINE_ITEM(item_f32, float, block_f32)
 
-static int run(const moe_args *a, void (*item)(const moe_args *, int64_t, int64_t, int64_t, int64_t, int64_t)) {
+/* The active experts (those with rows), in order, into *experts (malloc'ed; the caller frees it); their count,
+ * or -OUT_OF_RANGE / -OUT_OF_MEMORY. */
+static int64_t active_experts(const moe_args *a, int64_t **experts) {
     const int64_t E = a->num_experts, *off = a->offsets;
-    if (E < 1 || off[0] != 0 || off[E] != a->num_rows || a->in_dim < 1 || a->out_dim < 1) return OUT_OF_RANGE;
+    if (E < 1 || off[0] != 0 || off[E] != a->num_rows || a->in_dim < 1 || a->out_dim < 1) return -OUT_OF_RANGE;
     int64_t active = 0;
     for (int64_t e = 0; e < E; e++) {
-        if (off[e + 1] < off[e]) return OUT_OF_RANGE;
+        if (off[e + 1] < off[e]) return -OUT_OF_RANGE;
         active += off[e + 1] > off[e];
     }
-    const int64_t per_expert = (a->out_dim + ITEM_OUT - 1) / ITEM_OUT, items = active * per_expert;
-    int64_t *experts = malloc(sizeof(int64_t) * (active ? active : 1));
-    if (!experts) return OUT_OF_MEMORY;
+    *experts = malloc(sizeof(int64_t) * (active ? active : 1));
+    if (!*experts) return -OUT_OF_MEMORY;
     for (int64_t e = 0, i = 0; e < E; e++)
-        if (off[e + 1] > off[e]) experts[i++] = e;
+        if (off[e + 1] > off[e]) (*experts)[i++] = e;
+    return active;
+}
+
+static int run(const moe_args *a, void (*item)(const moe_args *, int64_t, int64_t, int64_t, int64_t, int64_t)) {
+    const int64_t *off = a->offsets;
+    int64_t *experts;
+    const int64_t active = active_experts(a, &experts);
+    if (active < 0) return (int)-active;
+    const int64_t per_expert = (a->out_dim + ITEM_OUT - 1) / ITEM_OUT, items = active * per_expert;
     #pragma omp parallel for schedule(dynamic, 1) if (active * a->out_dim * a->in_dim > PARALLEL_MIN)
     for (int64_t i = 0; i < items; i++) {
         const int64_t e = experts[i / per_expert], o = (i % per_expert) * ITEM_OUT;
@@ -154,3 +164,112 @@ static int run(const moe_args *a, void (*item)(const moe_args *, int64_t, int64_
 
 int moe_gemm_bf16(const moe_args *a) { return run(a, item_bf16); }
 int moe_gemm_f32(const moe_args *a) { return run(a, item_f32); }
+
+/* Many rows per expert (prefill), bf16, on AMX tiles: y^T = w . x^T per expert, so that w is read as it is stored
+ * (an A tile is 16 of its rows x 32 inputs) and only the expert's rows of x are re-laid out, once a call, as B
+ * tiles. The dot products above are compute-bound there (32 rows an expert at 512 tokens: ~5x the weight's
+ * read time); tdpbf16ps multiplies bf16 pairs exactly and accumulates in fp32 (another order than the vector
+ * kernel's: within one bf16 rounding step of the exact sum, as torch._grouped_mm). Needs in_dim and out_dim
+ * multiples of 32 (WRONG_SHAPE otherwise: cpu_moe.py sends those shapes to the other paths). */
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512F__)
+int moe_amx_init(void) { return amx_permit() ? NO_AMX : 0; }
+
+/* x's rows [lo, hi) as B tiles: for each 16-row block and 32-input slice c, tile[r][t] = the bf16 pair
+ * x[lo + 16 block + t][32 c + 2 r .. + 1] (a 32-bit word); rows past hi are zero. */
+static void pack_rows(const moe_args *a, int64_t lo, int64_t hi, uint32_t *tiles) {
+    const int64_t chunks = a->in_dim / 32, blocks = (hi - lo + 15) / 16;
+    const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                              _mm512_set1_epi32(16));
+    for (int64_t row = 0; row < 16 * blocks; row++) {
+        uint32_t *at = tiles + (row / 16) * chunks * 256 + row % 16;
+        const uint32_t *src = (const uint32_t *)((const uint16_t *)a->x + (lo + row) * a->x_stride);
+        for (int64_t c = 0; c < chunks; c++)
+            _mm512_i32scatter_epi32(at + c * 256, column,
+                                    lo + row < hi ? _mm512_loadu_si512(src + 16 * c) : _mm512_setzero_si512(), 4);
+    }
+}
+
+/* expert e's outputs [o, o + 32) for its rows [lo, hi), from its packed rows */
+static void amx_item(const moe_args *a, const uint32_t *tiles, int64_t e, int64_t o, int64_t lo, int64_t hi) {
+    const int64_t K = a->in_dim, chunks = K / 32, blocks = (hi - lo + 15) / 16;
+    const uint16_t *w = (const uint16_t *)a->w + (e * a->out_dim + o) * K;
+    const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                              _mm512_set1_epi32(16));
+    float acc[4][256];   /* tile q: outputs o + 16 (q & 1) + i (rows i), x rows of block b + (q >> 1) (columns) */
+    for (int64_t b = 0; b < blocks; b += 2) {
+        const int two = b + 1 < blocks;
+        const uint32_t *b0 = tiles + b * chunks * 256, *b1 = b0 + chunks * 256;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t c = 0; c < chunks; c++) {
+            _tile_loadd(4, w + 32 * c, 2 * K);
+            _tile_loadd(5, w + 16 * K + 32 * c, 2 * K);
+            _tile_loadd(6, b0 + 256 * c, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 5, 6);
+            if (two) {
+                _tile_loadd(7, b1 + 256 * c, 64);
+                _tile_dpbf16ps(2, 4, 7);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+        }
+        _tile_stored(0, acc[0], 64);
+        _tile_stored(1, acc[1], 64);
+        if (two) {
+            _tile_stored(2, acc[2], 64);
+            _tile_stored(3, acc[3], 64);
+        }
+        for (int q = 0; q < (two ? 4 : 2); q++) {
+            const int64_t first = lo + 16 * (b + (q >> 1));
+            for (int t = 0; t < 16 && first + t < hi; t++)   /* column t: the 16 outputs of row first + t */
+                store_bf16((uint16_t *)a->y + (first + t) * a->y_stride + o + 16 * (q & 1),
+                           _mm512_i32gather_ps(column, acc[q] + t, 4));
+        }
+    }
+}
+
+int moe_gemm_bf16_amx(const moe_args *a) {
+    if (a->in_dim % 32 || a->out_dim % 32) return WRONG_SHAPE;
+    const int64_t *off = a->offsets, chunks = a->in_dim / 32;
+    int64_t *experts;
+    const int64_t active = active_experts(a, &experts);
+    if (active < 0) return (int)-active;
+    int64_t *at = malloc(sizeof(int64_t) * (active + 1));   /* each active expert's packed rows in `tiles` */
+    if (!at) {
+        free(experts);
+        return OUT_OF_MEMORY;
+    }
+    at[0] = 0;
+    for (int64_t i = 0; i < active; i++)
+        at[i + 1] = at[i] + (off[experts[i] + 1] - off[experts[i]] + 15) / 16 * chunks * 256;
+    uint32_t *tiles = aligned_alloc(64, (sizeof(uint32_t) * at[active] + 63) / 64 * 64 + 64);
+    if (!tiles) {
+        free(experts);
+        free(at);
+        return OUT_OF_MEMORY;
+    }
+    const int64_t per_expert = a->out_dim / 32, items = active * per_expert;
+    #pragma omp parallel
+    {
+        amx_configure();   /* once per thread and call */
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < active; i++)
+            pack_rows(a, off[experts[i]], off[experts[i] + 1], tiles + at[i]);
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < items; i++) {
+            const int64_t k = i / per_expert, e = experts[k];
+            amx_item(a, tiles + at[k], e, (i % per_expert) * 32, off[e], off[e + 1]);
+        }
+        _tile_release();
+    }
+    free(tiles);
+    free(at);
+    free(experts);
+    return 0;
+}
+#else   /* no AMX bf16 in this build (LORASERVE_KERNEL_ARCH, or the CPU): cpu_moe.py keeps torch._grouped_mm */
+int moe_amx_init(void) { return NO_AMX; }
+int moe_gemm_bf16_amx(const moe_args *a) { (void)a; return NO_AMX; }
+#endif

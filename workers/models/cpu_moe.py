@@ -1,5 +1,6 @@
-"""Every routed expert of a MoE layer over its rows in one call on the CPU: cpu_moe.c's grouped GEMM as a torch op
-for a few rows per expert (decode), torch's own grouped GEMM (torch._grouped_mm, oneDNN underneath) for many.
+"""Every routed expert of a MoE layer over its rows in one call on the CPU: cpu_moe.c's grouped GEMM as a torch op,
+its vector kernel for a few rows per expert (decode), its AMX kernel (bf16) or torch's own grouped GEMM
+(torch._grouped_mm, oneDNN underneath) for many.
 
     loraserve::moe_grouped_gemm(x, w, offsets) -> y     y[n] = x[n] @ w[e].T for offsets[e] <= n < offsets[e+1]
 
@@ -10,14 +11,18 @@ eager call (no dispatch mode, not tracing) calls the kernel directly, as workers
 whether the kernel takes the operands (CPU, bf16 / fp32, a C compiler, LORASERVE_MOE_KERNEL not 0); where it
 does not, qwen3_moe.py keeps one oneDNN GEMM per active expert (same maths).
 
-Which for which (results/moe_grouped.md, Qwen3-30B-A3B's expert shape, bf16, 1 thread): the kernel reads each active
-expert's weight once with all its rows and wins up to ~2 rows per expert (1.1-2x over oneDNN per expert); past
-that its dot products are compute-bound and torch._grouped_mm (prepacked-oneDNN speed on the unpacked weight) wins.
-torch._grouped_mm needs 16-byte row strides; shapes without them stay on the kernel (any shape, same maths).
+Which for which (results/moe_grouped.md, Qwen3-30B-A3B's expert shape, bf16, 1 thread): the vector kernel reads
+each active expert's weight once with all its rows and wins up to ~2 rows per expert (1.1-2x over oneDNN per
+expert); past that its dot products are compute-bound. There bf16 with dims multiples of 32 runs on AMX tiles
+(w read as stored, x's rows re-laid out once: 1.5-1.8x torch._grouped_mm from 4 rows per expert); other
+shapes and fp32 take torch._grouped_mm, which needs 16-byte row strides; shapes without them stay on the vector
+kernel (any shape, same maths). The choice follows the shapes only (rows per expert on average), so a captured
+decode records the same op its eager step runs.
 """
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import os
 from pathlib import Path
@@ -29,6 +34,7 @@ from lora import native
 
 SOURCE = Path(__file__).with_name("cpu_moe.c")
 _SYMBOLS = {torch.bfloat16: "moe_gemm_bf16", torch.float32: "moe_gemm_f32"}
+_AMX = "moe_gemm_bf16_amx"   # many rows per expert, bf16
 OUT_OF_MEMORY, OUT_OF_RANGE = 1, 2   # the kernel's nonzero returns
 # Off switch for A/B measurement (benchmarks/moe.py --kernel-ab flips it between runs in one process)
 ENABLED = os.environ.get("LORASERVE_MOE_KERNEL", "1") != "0"
@@ -43,7 +49,22 @@ class _Args(ctypes.Structure):
                 ("num_rows", ctypes.c_int64)]
 
 
-_load, available = native.library(SOURCE, {name: [ctypes.c_void_p] for name in _SYMBOLS.values()})
+_load, available = native.library(SOURCE, {name: [ctypes.c_void_p] for name in (*_SYMBOLS.values(), _AMX)}
+                                  | {"moe_amx_init": []})
+
+
+@native.constant_result
+@functools.cache
+def amx_available() -> bool:
+    """Whether the many-rows bf16 kernel on AMX tiles runs here (built with AMX bf16, and Linux lends the tiles)."""
+    lib = _load()
+    return lib is not None and lib.moe_amx_init() == 0
+
+
+def _amx(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether the AMX kernel takes these operands (many rows per expert, bf16, dims multiples of 32)."""
+    return (x.shape[0] > KERNEL_ROWS_PER_EXPERT * w.shape[0] and x.dtype == torch.bfloat16
+            and x.shape[1] % 32 == 0 and w.shape[1] % 32 == 0 and amx_available())
 
 
 def applies(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -69,7 +90,7 @@ def _impl(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tens
     y = torch.empty(x.shape[0], w.shape[1], dtype=x.dtype)
     args = _Args(x.data_ptr(), x.stride(0), x.shape[1], w.data_ptr(), w.shape[1], w.shape[0], offsets.data_ptr(),
                  y.data_ptr(), y.stride(0), x.shape[0])
-    status = getattr(lib, _SYMBOLS[x.dtype])(ctypes.addressof(args))
+    status = getattr(lib, _AMX if _amx(x, w) else _SYMBOLS[x.dtype])(ctypes.addressof(args))
     if status == OUT_OF_MEMORY:
         raise MemoryError("CPU MoE kernel: out of memory for its expert list")
     if status != 0:
@@ -96,7 +117,7 @@ def _aligned(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 def grouped_gemm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """y[n] = x[n] @ w[e].T for the rows n of expert e (offsets: see the module docstring)."""
-    if x.shape[0] > KERNEL_ROWS_PER_EXPERT * w.shape[0] and _aligned(x, w):
+    if x.shape[0] > KERNEL_ROWS_PER_EXPERT * w.shape[0] and not _amx(x, w) and _aligned(x, w):
         return torch._grouped_mm(x, w.transpose(1, 2), offs=offsets[1:].to(torch.int32))
     if _get_current_dispatch_mode() is None and not torch.compiler.is_compiling():
         return _impl(x, w, offsets)

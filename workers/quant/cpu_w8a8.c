@@ -28,35 +28,12 @@
 enum { OUT_OF_MEMORY = 1, NO_AMX = 3 };
 
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512BW__)
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
 #define RN (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 
-/* Linux lends AMX's tile state to a process only on request (permission is process-wide: torch's
- * OpenMP threads may use it once granted). 0 when granted. */
-int w8a8_init(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) ? NO_AMX : 0; }
+int w8a8_init(void) { return amx_permit() ? NO_AMX : 0; }
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-/* tiles 0-3: int32 results (rows 0-15 x cols 0-15, 0-15 x 16-31, 16-31 x 0-15, 16-31 x 16-31);
+/* tiles (amx_configure) 0-3: int32 results (rows 0-15 x cols 0-15, 0-15 x 16-31, 16-31 x 0-15, 16-31 x 16-31);
  * 4-5: xq rows 0-15 / 16-31 of a 64-wide K slice; 6-7: the two 16-column weight blocks of that slice */
-static void configure_tiles(void) {
-    tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int i = 0; i < 8; i++) {
-        cfg.rows[i] = 16;
-        cfg.colsb[i] = 64;
-    }
-    _tile_loadconfig(&cfg);
-}
 
 static _Thread_local int8_t *scratch;
 static _Thread_local size_t scratch_size;
@@ -130,7 +107,7 @@ int w8a8_linear(const void *x, int64_t x_stride, int x_bf16, int64_t M, int64_t 
 
 #pragma omp parallel
     {
-        configure_tiles();   /* once per thread and call */
+        amx_configure();   /* once per thread and call */
         int32_t acc[4][256];
 #pragma omp for schedule(static)
         for (int64_t n0 = 0; n0 < Np; n0 += 32) {
