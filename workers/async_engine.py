@@ -30,12 +30,13 @@ from workers.stream import RequestStream
 from workers.tokenizer import PromptEncoder, load_tokenizer
 
 if TYPE_CHECKING:   # the engine (torch) is loaded by whoever builds one: a replica whose engine runs in a
-    from workers.engine import LLMEngine, Prompt   # process of its own never imports it
+    from workers.core import EngineCore   # process of its own never imports it
+    from workers.engine import Prompt
 
 
 class AsyncLLMEngine:
-    def __init__(self, core: EngineCoreClient | LLMEngine):
-        """`core`: a client, or an LLMEngine to step on a thread of this process."""
+    def __init__(self, core: EngineCoreClient | EngineCore):
+        """`core`: a client, or an EngineCore (an LLMEngine too) to step on a thread of this process."""
         self.client = core if isinstance(core, EngineCoreClient) else ThreadCoreClient(core)
         facts = self.client.facts
         self.encoder = PromptEncoder(facts.model_path, facts.max_model_len, facts.tokenizer_class)

@@ -1,6 +1,6 @@
 """The engine core behind one client interface, and its client on a thread of this process.
 
-The core is the LLMEngine: scheduler, executor and step loop; it takes `EngineRequest`s (token ids, sampling
+The core is workers/core.py's EngineCore: scheduler, executor and step loop; it takes `EngineRequest`s (token ids, sampling
 parameters, adapter) and gives `TokenDelta`s (token ids, logprobs, finish reasons), no strings. Its front
 (workers/async_engine.py: tokenizers, the requests' streams, text) holds an `EngineCoreClient` and never the
 core itself, whichever way the core runs:
@@ -35,7 +35,7 @@ from workers.sequence import TokenDelta
 from workers.tokenizer import tokenizer_class_of
 
 if TYPE_CHECKING:   # torch: loaded only by the process that runs the core
-    from workers.engine import LLMEngine
+    from workers.core import EngineCore
 
 BUSY_WAIT_S = 0.001   # pause when work exists but nothing could run (an adapter is loading)
 
@@ -59,7 +59,7 @@ class CoreFacts:
     tokenizer_class: str
 
     @classmethod
-    def of(cls, engine: LLMEngine) -> CoreFacts:
+    def of(cls, engine: EngineCore) -> CoreFacts:
         runtime = engine.runtime
         return cls(runtime.model_path, runtime.max_model_len, runtime.hf_config.vocab_size,
                    tokenizer_class_of(engine.tokenizer))
@@ -119,7 +119,7 @@ class EngineCoreClient(abc.ABC):
 class ThreadCoreClient(EngineCoreClient):
     """The core stepped by a thread of this process; commands through a queue."""
 
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: EngineCore):
         self.engine = engine
         self.facts = CoreFacts.of(engine)
         self._sink: CoreSink | None = None
@@ -246,7 +246,7 @@ class ThreadCoreClient(EngineCoreClient):
                 future.set_exception(exc)
 
     def _add(self, request: EngineRequest, grammar=None) -> None:
-        self._active.add(self.engine.add(request, detokenize=False, grammar=grammar))
+        self._active.add(self.engine.add(request, grammar))
 
     def _drop(self, request_id: str) -> None:
         self._active.discard(request_id)

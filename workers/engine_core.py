@@ -1,5 +1,5 @@
 """The engine process's side (started by workers/engine_process.py as `python -m workers.engine_core FD`): it
-builds the LLMEngine, loads the configured adapters, then steps it through a ThreadCoreClient
+builds the EngineCore, loads the configured adapters, then steps it through a ThreadCoreClient
 (workers/core_client.py) whose sink sends its outputs, lost requests and death to the replica over the socket,
 and answers the replica's typed messages (workers/core_messages.py) on an event loop of its own. It exits when
 the socket closes."""

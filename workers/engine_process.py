@@ -2,7 +2,7 @@
 
 In one process the engine's step thread shares the GIL with the replica's event loop, which streams every
 token of every request through Ray Serve (~0.5 ms of Python a token): under load each step waited for it.
-Here the child process runs the LLMEngine and its step loop (a ThreadCoreClient whose outputs go down a
+Here the child process runs the engine core and its step loop (a ThreadCoreClient whose outputs go down a
 socket, one message per step); the parent's front (AsyncLLMEngine) tokenizes, keeps the requests' streams and
 decodes their text, and holds a `ProcessCoreClient`, which asks the child for everything by typed messages
 (workers/core_messages.py, `_remote`).
@@ -42,9 +42,9 @@ CLOSE_TIMEOUT_S = 30.0
 
 
 def build_engine(config: EngineConfig, adapters: dict[str, str]):
-    """The LLMEngine with its configured adapters loaded (a bad one fails the start, loudly)."""
-    from workers.engine import LLMEngine   # torch: only the process that runs the engine loads it
-    engine = LLMEngine(config)
+    """The engine core with its configured adapters loaded (a bad one fails the start, loudly)."""
+    from workers.core import EngineCore   # torch: only the process that runs the engine loads it
+    engine = EngineCore(config)
     for name, source in adapters.items():
         engine.load_adapter(name, source)
     return engine
