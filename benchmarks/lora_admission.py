@@ -40,7 +40,7 @@ for i, path in enumerate(paths):
 config = config_from_args(parse_args(argv))
 engine = start_engine(config.replica_engine_config(), config.adapters, own_process=False)
 naming = lambda adapter: None if adapter is None else f"lora-{adapter:04d}"
-controller = engine.engine.controller
+controller = engine.client.engine.controller
 counts = lambda: (controller.adapters.slots.stats()["misses"], getattr(getattr(controller, "budget", None), "num_pauses", 0))
 asyncio.run(drive(engine, warm_requests(load, FULL), naming))
 out = []

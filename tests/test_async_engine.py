@@ -12,7 +12,7 @@ from factories import PROMPTS, make_adapter
 from lora.errors import AdapterNotFoundError
 from workers import EngineConfig, LLMEngine, SamplingParams
 from workers.async_engine import AsyncLLMEngine, EngineDeadError, RequestError
-from workers.engine_process import EngineProcess
+from workers.engine_process import start_engine
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 LONG = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
@@ -33,7 +33,7 @@ def config(model, **kw):
 
 
 def start(kind: str, engine_config: EngineConfig) -> AsyncLLMEngine:
-    return AsyncLLMEngine(LLMEngine(engine_config)) if kind == "thread" else EngineProcess(engine_config)
+    return AsyncLLMEngine(LLMEngine(engine_config)) if kind == "thread" else start_engine(engine_config, {})
 
 
 # the process kind is `slow` (make test-fast skips it): an engine process is seconds of a core to start

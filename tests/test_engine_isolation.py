@@ -125,7 +125,7 @@ def test_slow_adapter_reads_time_out_and_others_keep_generating(model, adapter, 
     async def main():
         await aengine.load_adapter("a", str(adapter))
         await aengine.load_adapter("b", str(other))      # capacity 1: "a" leaves host memory
-        assert not cache.is_resident(aengine.engine.adapters.current("a"))
+        assert not cache.is_resident(aengine.client.engine.adapters.current("a"))
         cache._load_fn = stuck_load
         done = asyncio.Event()
         canary = asyncio.create_task(canary_gaps(aengine, done))

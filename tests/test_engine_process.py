@@ -17,7 +17,7 @@ from lora.errors import AdapterError
 from processes import REPO, engine_processes
 from transformers import AutoTokenizer
 from workers import EngineConfig, SamplingParams
-from workers.engine_process import EngineProcess
+from workers.engine_process import ProcessCoreClient, start_engine
 from workers.errors import EngineDeadError
 from workers.grammar import StructuredSpec
 
@@ -56,7 +56,7 @@ async def drain(stream):
 
 
 def test_a_killed_engine_process_fails_every_stream_and_call_and_reads_unhealthy(model):
-    engine = EngineProcess(config(model))
+    engine = start_engine(config(model), {})
     try:
         assert engine.is_healthy() and asyncio.run(engine.check_health())
 
@@ -64,7 +64,7 @@ def test_a_killed_engine_process_fails_every_stream_and_call_and_reads_unhealthy
             streams = [engine.generate(p, LONG) for p in PROMPTS[:3]]
             for stream in streams:
                 await anext(stream)
-            os.kill(engine.pid, signal.SIGKILL)   # what the OOM killer or a device fault does
+            os.kill(engine.client.pid, signal.SIGKILL)   # what the OOM killer or a device fault does
             errors = await asyncio.wait_for(asyncio.gather(*(drain(s) for s in streams)), 60)
             with pytest.raises(EngineDeadError, match="exit code -9"):
                 await engine.stats()
@@ -81,7 +81,7 @@ def test_a_killed_engine_process_fails_every_stream_and_call_and_reads_unhealthy
 
 
 def test_close_ends_the_engine_process_and_pending_streams(model):
-    engine = EngineProcess(config(model))
+    engine = start_engine(config(model), {})
 
     async def main():
         stream = engine.generate("Hello", LONG)
@@ -90,7 +90,7 @@ def test_close_ends_the_engine_process_and_pending_streams(model):
         return await asyncio.wait_for(drain(stream), 30)
 
     assert isinstance(asyncio.run(main()), EngineDeadError)
-    assert gone(engine.pid) and not engine.is_healthy()
+    assert gone(engine.client.pid) and not engine.is_healthy()
 
 
 def test_a_bad_configured_adapter_fails_the_start_with_its_reason_and_leaves_no_process(model, tmp_path):
@@ -98,13 +98,13 @@ def test_a_bad_configured_adapter_fails_the_start_with_its_reason_and_leaves_no_
     empty.mkdir()
     before = set(engine_processes(os.getpid()))
     with pytest.raises(AdapterError, match="adapter 'bad'"):
-        EngineProcess(config(model), {"bad": str(empty)})
+        start_engine(config(model), {"bad": str(empty)})
     assert set(engine_processes(os.getpid())) <= before
 
 
 def test_configured_adapters_are_loaded_before_it_is_ready_and_an_invalid_grammar_raises(model, tmp_path):
     adapter = make_adapter(model, tmp_path / "a", r=8, seed=3)
-    engine = EngineProcess(config(model), {"a": str(adapter)})
+    engine = start_engine(config(model), {"a": str(adapter)})
     try:
         assert asyncio.run(engine.list_adapters()) == {"a": str(adapter)}
         with pytest.raises(ValueError):
@@ -121,7 +121,7 @@ def test_only_an_engine_of_the_callers_process_runs_in_one():
     with pytest.raises(ValueError, match="needs one process per rank"):   # one rule: refused where it is read
         EngineConfig(model="m", tensor_parallel_size=2, distributed_executor="inproc")
     with pytest.raises(ValueError, match="not the ranks of a Ray executor"):
-        EngineProcess(EngineConfig(model="m", tensor_parallel_size=2))
+        ProcessCoreClient(EngineConfig(model="m", tensor_parallel_size=2))
 
 
 def test_the_callers_side_loads_no_engine_and_no_torch(model):
@@ -131,7 +131,7 @@ def test_the_callers_side_loads_no_engine_and_no_torch(model):
     probe = f"""
 import asyncio, sys
 from workers import EngineConfig, SamplingParams
-from workers.engine_process import EngineProcess
+from workers.engine_process import start_engine
 
 async def serve(engine):
     prompt = await engine.render_chat([{{"role": "user", "content": "Hi"}}])
@@ -139,7 +139,7 @@ async def serve(engine):
         pass
     return out
 
-e = EngineProcess(EngineConfig(model={str(model)!r}, device="cpu", max_model_len=256))
+e = start_engine(EngineConfig(model={str(model)!r}, device="cpu", max_model_len=256), {{}})
 out = asyncio.run(serve(e))
 print(len(out.token_ids), type(e.decode_tokenizer).__name__, "torch" in sys.modules)
 print(sorted(m for m in sys.modules if m.startswith(("workers.engine", "workers.model", "lora.backends"))))

@@ -1,7 +1,8 @@
 """The engine process's side (started by workers/engine_process.py as `python -m workers.engine_core FD`): it
-builds the LLMEngine, loads the configured adapters, then runs the step loop of an AsyncLLMEngine whose
-outputs, lost requests and death go to the replica over the socket, and answers the replica's typed messages
-(workers/core_messages.py) on an event loop of its own. It exits when the socket closes."""
+builds the EngineCore, loads the configured adapters, then steps it through a ThreadCoreClient
+(workers/core_client.py) whose sink sends its outputs, lost requests and death to the replica over the socket,
+and answers the replica's typed messages (workers/core_messages.py) on an event loop of its own. It exits when
+the socket closes."""
 from __future__ import annotations
 
 import asyncio
@@ -14,43 +15,36 @@ from multiprocessing.connection import Connection
 from typing import Any, Awaitable, Callable
 
 from workers import core_messages as msg
-from workers.async_engine import AsyncLLMEngine
+from workers.core_client import CoreFacts, ThreadCoreClient
 from workers.engine_process import build_engine
 from workers.errors import EngineDeadError
 from workers.sequence import TokenDelta
-from workers.tokenizer import tokenizer_class_of
 
 
-class _ChildEngine(AsyncLLMEngine):
-    """The step loop of the child: outputs, lost requests and its death go to the parent, one message each."""
+class _SocketSink:
+    """The child's outputs, lost requests and death, to the parent: one message each."""
 
-    def __init__(self, engine, send):
+    def __init__(self, send: Callable[[tuple], None]):
         self._send = send
-        super().__init__(engine)
 
-    def _front(self, model_path: str, max_model_len: int, tokenizer_class: str) -> None:
-        self._callers()   # the parent tokenizes and decodes: no tokenizers of its own here
+    def outputs(self, deltas: list[TokenDelta]) -> None:
+        self._send(("out", deltas))
 
-    def _deliver(self, outputs: list[TokenDelta]) -> None:
-        self._send(("out", outputs))
+    def lost(self, request_ids: list[str]) -> None:
+        self._send(("lost", request_ids))
 
-    def _fail_lost(self) -> None:
-        self._send(("lost", list(self._active)))
-        self._active.clear()
-
-    def _die(self, error: EngineDeadError, cause: BaseException | None = None) -> None:
-        super()._die(error, cause)
+    def dead(self, error: EngineDeadError) -> None:
         try:
             self._send(("dead", str(error)))
         except OSError:   # the parent is gone
             pass
 
 
-def _handlers(core: _ChildEngine) -> dict[type, Callable[[Any], Awaitable]]:
-    """Each call's message type -> what the child's engine does for it (awaited on the child's loop)."""
-    return {msg.AddRequest: lambda m: core._enqueue(m.request),
-            msg.AbortRequest: lambda m: core._drop_now(m.request_id),
-            msg.CompileGrammar: lambda m: core.check_grammar(m.spec),
+def _handlers(core: ThreadCoreClient) -> dict[type, Callable[[Any], Awaitable]]:
+    """Each call's message type -> what the core's client does for it (awaited on the child's loop)."""
+    return {msg.AddRequest: lambda m: core.add(m.request),
+            msg.AbortRequest: lambda m: core.abort(m.request_id),
+            msg.CompileGrammar: lambda m: core.compile_grammar(m.spec),
             msg.LoadAdapter: lambda m: core.load_adapter(m.name, m.source, m.pinned),
             msg.UnloadAdapter: lambda m: core.unload_adapter(m.name),
             msg.ListAdapters: lambda m: core.list_adapters(),
@@ -80,11 +74,9 @@ def _serve(conn: Connection) -> None:
     except Exception as exc:  # noqa: BLE001  (the parent raises it)
         send_safely("failed", exc)
         return
-    core = _ChildEngine(engine, send)
-    runtime = engine.runtime
-    send(("ready", {"model_path": runtime.model_path, "max_model_len": runtime.max_model_len,
-                    "vocab_size": runtime.hf_config.vocab_size,
-                    "tokenizer_class": tokenizer_class_of(engine.tokenizer)}))
+    core = ThreadCoreClient(engine)
+    send(("ready", CoreFacts.of(engine)))
+    core.connect(_SocketSink(send))
     loop = asyncio.new_event_loop()
     tasks: set[asyncio.Task] = set()
 
@@ -104,7 +96,7 @@ def _serve(conn: Connection) -> None:
         elif isinstance(envelope[1], msg.Close):
             loop.stop()
         else:   # a posted ReleaseRequest
-            core._release(envelope[1].request_id)
+            core.release(envelope[1].request_id)
 
     def read() -> None:   # off the loop: a message is read whole while the loop runs calls
         try:

@@ -2,9 +2,9 @@
 
 In one process the engine's step thread shares the GIL with the replica's event loop, which streams every
 token of every request through Ray Serve (~0.5 ms of Python a token): under load each step waited for it.
-Here the child process runs the LLMEngine and its step loop (an AsyncLLMEngine whose outputs go down a
-socket, one message per step); the parent, an AsyncLLMEngine without an engine, tokenizes, keeps the
-requests' streams and decodes their text, and asks the child for everything else by typed messages
+Here the child process runs the engine core and its step loop (a ThreadCoreClient whose outputs go down a
+socket, one message per step); the parent's front (AsyncLLMEngine) tokenizes, keeps the requests' streams and
+decodes their text, and holds a `ProcessCoreClient`, which asks the child for everything by typed messages
 (workers/core_messages.py, `_remote`).
 
 The child is workers/engine_core.py. One socketpair carries pickled tuples. Parent -> child: ("call", id,
@@ -32,18 +32,19 @@ from typing import Any
 from workers import core_messages as msg
 from workers.async_engine import AsyncLLMEngine
 from workers.config import EngineConfig
-from workers.request import EngineRequest
-from workers.errors import EngineDeadError, RequestError
+from workers.core_client import CoreFacts, CoreSink, EngineCoreClient, ThreadCoreClient
+from workers.errors import EngineDeadError
 from workers.grammar import StructuredSpec
+from workers.request import EngineRequest
 
 START_TIMEOUT_S = 1800.0   # a big model loads for minutes
 CLOSE_TIMEOUT_S = 30.0
 
 
 def build_engine(config: EngineConfig, adapters: dict[str, str]):
-    """The LLMEngine with its configured adapters loaded (a bad one fails the start, loudly)."""
-    from workers.engine import LLMEngine   # torch: only the process that runs the engine loads it
-    engine = LLMEngine(config)
+    """The engine core with its configured adapters loaded (a bad one fails the start, loudly)."""
+    from workers.core import EngineCore   # torch: only the process that runs the engine loads it
+    engine = EngineCore(config)
     for name, source in adapters.items():
         engine.load_adapter(name, source)
     return engine
@@ -53,12 +54,12 @@ def start_engine(config: EngineConfig, adapters: dict[str, str], own_process: bo
     """An engine in a process of its own when `own_process` and it can be (`EngineConfig.runs_in_process`), else on a
     thread of this process."""
     if own_process and config.runs_in_process:
-        return EngineProcess(config, adapters)
-    return AsyncLLMEngine(build_engine(config, adapters))
+        return AsyncLLMEngine(ProcessCoreClient(config, adapters))
+    return AsyncLLMEngine(ThreadCoreClient(build_engine(config, adapters)))
 
 
-class EngineProcess(AsyncLLMEngine):
-    """An AsyncLLMEngine whose engine runs in a child process (started here; adapters loaded before ready)."""
+class ProcessCoreClient(EngineCoreClient):
+    """The core in a child process (started here; adapters loaded before it is ready)."""
 
     def __init__(self, config: EngineConfig, adapters: dict[str, str] | None = None):
         if not config.runs_in_process:
@@ -72,7 +73,8 @@ class EngineProcess(AsyncLLMEngine):
         self._send_lock = threading.Lock()
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._call_ids = itertools.count()
-        self.engine = None
+        self._sink: CoreSink | None = None
+        self._dead: EngineDeadError | None = None
         try:
             self._send(("start", config, dict(adapters or {})))
             if not self._conn.poll(START_TIMEOUT_S):
@@ -87,35 +89,28 @@ class EngineProcess(AsyncLLMEngine):
         if kind != "ready":
             self._stop_child()
             raise payload[0]
-        facts = payload[0]
-        self._max_model_len, self._vocab_size = facts["max_model_len"], facts["vocab_size"]
-        self._front(facts["model_path"], facts["max_model_len"], facts["tokenizer_class"])
+        self.facts: CoreFacts = payload[0]
         self._reader = threading.Thread(target=self._read, name="llm-engine-process-reader", daemon=True)
+
+    def connect(self, sink: CoreSink) -> None:
+        self._sink = sink
         self._reader.start()
 
     @property
     def pid(self) -> int:
         return self._proc.pid
 
-    @property
-    def max_model_len(self) -> int:
-        return self._max_model_len
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
     # ---- what the child does, asked by typed messages (workers/core_messages.py) --------------------
-    async def _enqueue(self, request: EngineRequest) -> None:
+    async def add(self, request: EngineRequest) -> None:
         await self._remote(msg.AddRequest(request))
 
-    def _release(self, request_id: str) -> None:
+    def release(self, request_id: str) -> None:
         self._post(msg.ReleaseRequest(request_id))
 
-    async def _drop_now(self, request_id: str) -> None:
+    async def abort(self, request_id: str) -> None:
         await self._remote(msg.AbortRequest(request_id))
 
-    async def check_grammar(self, spec: StructuredSpec) -> None:
+    async def compile_grammar(self, spec: StructuredSpec) -> None:
         await self._remote(msg.CompileGrammar(spec))
 
     async def load_adapter(self, name: str, source: str, pinned: bool = False) -> str:
@@ -146,8 +141,8 @@ class EngineProcess(AsyncLLMEngine):
             except OSError:
                 pass
         self._stop_child()
-        self._reader.join(timeout=CLOSE_TIMEOUT_S)
-        self.encoder.close()
+        if self._reader.is_alive():
+            self._reader.join(timeout=CLOSE_TIMEOUT_S)
 
     # ---- the socket ---------------------------------------------------------------------------------
     async def _remote(self, message) -> Any:
@@ -179,14 +174,14 @@ class EngineProcess(AsyncLLMEngine):
             while True:
                 kind, *payload = self._conn.recv()
                 if kind == "out":
-                    self._deliver(payload[0])
+                    self._sink.outputs(payload[0])
                 elif kind == "reply":
                     call_id, ok, value = payload
                     future = self._calls.pop(call_id, None)
                     if future is not None and future.set_running_or_notify_cancel():
                         future.set_result(value) if ok else future.set_exception(value)
                 elif kind == "lost":
-                    self._fail_streams(payload[0], "ended in the engine without an output")
+                    self._sink.lost(payload[0])
                 elif kind == "dead":
                     self._die(EngineDeadError(payload[0]))
                     return
@@ -194,27 +189,18 @@ class EngineProcess(AsyncLLMEngine):
             code = self._proc.wait()
             self._die(EngineDeadError(f"the engine process exited (exit code {code})"))
 
-    def _fail_streams(self, request_ids: list[str], why: str) -> None:
-        with self._streams_lock:
-            streams = [(rid, self._streams.get(rid)) for rid in request_ids]
-        for rid, stream in streams:
-            if stream is not None:
-                stream.put_threadsafe(RequestError(f"request {rid!r} {why}"))
-
-    def _die(self, error: EngineDeadError, cause: BaseException | None = None) -> None:
+    def _die(self, error: EngineDeadError) -> None:
         if self._dead is not None:
             return
-        super()._die(error, cause)
+        self._dead = error
         self._fail_calls(error)
+        self._sink.dead(error)
 
     def _fail_calls(self, error: BaseException) -> None:
         for call_id in list(self._calls):
             future = self._calls.pop(call_id, None)
             if future is not None and future.set_running_or_notify_cancel():
                 future.set_exception(error)
-
-    def _fail_commands(self, error: BaseException) -> None:   # no command queue on this side
-        pass
 
     def _stop_child(self) -> None:
         try:
