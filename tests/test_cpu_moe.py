@@ -9,7 +9,9 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+import huge_pages
 from factories import PROMPTS, engine_with_adapters
+from lora import native
 from moe_factories import make_expert_adapter, make_moe_model
 from workers import SamplingParams, tape_graph
 from workers.models import cpu_moe, qwen3_moe
@@ -118,26 +120,12 @@ def test_expert_offsets_count_sorted_rows_on_the_device():
     assert cpu_moe.expert_offsets(experts, 6).tolist() == [0, 2, 2, 5, 5, 5, 6]
 
 
-def _huge_page_advised(t: torch.Tensor) -> bool:
-    """Whether the mapping holding t's first byte was madvised MADV_HUGEPAGE ("hg" among its VmFlags)."""
-    address, inside = t.data_ptr(), False
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            head = line.split()[0]
-            if "-" in head and ":" not in head:   # a mapping's first line: "start-end perms ..."
-                start, end = (int(v, 16) for v in head.split("-"))
-                inside = start <= address < end
-            elif inside and head == "VmFlags:":
-                return "hg" in line.split()[1:]
-    return False
-
-
 def test_huge_page_copy_is_an_equal_copy_in_advised_memory():
     w = torch.randn(3, 5, 7).to(torch.bfloat16)
-    h = cpu_moe.huge_page_copy(w)
+    h = native.huge_page_copy(w)
     assert torch.equal(h, w) and h.dtype == w.dtype and h.is_contiguous()
     assert h.untyped_storage().data_ptr() != w.untyped_storage().data_ptr()
-    assert _huge_page_advised(h) and not _huge_page_advised(w)
+    assert huge_pages.advised(h) and not huge_pages.advised(w)
 
 
 # ---- a Qwen3-MoE engine with the kernel, against the per-expert path --------------------------------------------
@@ -158,7 +146,7 @@ def _generate(path, adapters, monkeypatch, enabled: bool, **config):
     try:
         experts = [m for m in engine.executor.runner.model.modules() if isinstance(m, qwen3_moe.GroupedLinear)]
         assert experts and all(m.packed is None for m in experts) == enabled   # the kernel reads them unpacked
-        assert not enabled or all(_huge_page_advised(m.weight) for m in experts)
+        assert not enabled or all(huge_pages.advised(m.weight) for m in experts)
         names = [None, "experts"] * 3
         params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
         out = engine.generate([PROMPTS[i % len(PROMPTS)] for i in range(len(names))], params, adapters=names)

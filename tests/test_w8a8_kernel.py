@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+import huge_pages
 from lora import native
 from lora_reference import OpLog
 from w8a8_reference import w8a8_reference
@@ -75,6 +76,12 @@ def test_kernel_is_exact_against_the_reference(dtype, k, n):
             expected = w8a8_reference(x, q, scale, b)
             assert y.dtype == dtype and y.shape == (m, n)
             assert torch.equal(y, expected), (m, b is not None, (y.float() - expected.float()).abs().max().item())
+
+
+def test_the_packed_weight_is_on_huge_pages():
+    q, scale, _ = _weights(70, 100, seed=1)
+    weight, _ = cpu_w8a8.pack(q, scale.flatten())
+    assert huge_pages.advised(weight) and not huge_pages.advised(q)
 
 
 def test_strided_and_batched_inputs():

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import mmap
 import os
 from pathlib import Path
 
@@ -122,21 +121,6 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> tor
     if _get_current_dispatch_mode() is None and not torch.compiler.is_compiling():
         return _impl(x, w, offsets)
     return torch.ops.loraserve.moe_grouped_gemm(x, w, offsets)
-
-
-def huge_page_copy(w: torch.Tensor) -> torch.Tensor:
-    """w copied into an anonymous mapping that asks Linux for transparent huge pages (MADV_HUGEPAGE), madvised
-    before the copy faults its pages in. Why: a decode step streams ~80 experts' weights a layer, each at its own
-    place, and with 4 KiB pages (THP in its usual `madvise` mode backs no tensor otherwise) the page walks cost
-    a tenth of gate_up's time and a quarter of down's (results/moe_grouped.md). Where the platform has no
-    MADV_HUGEPAGE, w itself."""
-    if not hasattr(mmap, "MADV_HUGEPAGE") or not w.is_cpu or w.numel() == 0:
-        return w
-    buffer = mmap.mmap(-1, w.numel() * w.element_size(), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    buffer.madvise(mmap.MADV_HUGEPAGE)   # a hint: the kernel may still use small pages (then as before)
-    # frombuffer keeps the mapping alive as long as the tensor
-    copy = torch.frombuffer(buffer, dtype=torch.uint8).view(w.dtype).view(w.shape)
-    return copy.copy_(w)
 
 
 def expert_offsets(sorted_experts: torch.Tensor, num_experts: int) -> torch.Tensor:

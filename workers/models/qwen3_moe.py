@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lora import native
 from workers.forward_batch import ForwardBatch
 from workers.models import cpu_moe
 from workers.models.llama import MLP, LlamaForCausalLM
@@ -126,9 +127,9 @@ class GroupedLinear(nn.Module):
         """Each expert's weight reordered once into oneDNN's blocked layout (CPU), as prepack_linears does for the
         dense linears: unpacked, a bf16 GEMM of a few rows re-lays the weight out each call (~3x slower here).
         The [E, out, in] weight is dropped. Not where the grouped kernel runs the experts: it reads [E, out, in],
-        which is moved to huge pages instead (cpu_moe.huge_page_copy)."""
+        which is moved to huge pages instead (lora.native.huge_page_copy)."""
         if cpu_moe.applies(self.weight, self.weight):
-            self.weight = nn.Parameter(cpu_moe.huge_page_copy(self.weight.detach()), requires_grad=False)
+            self.weight = nn.Parameter(native.huge_page_copy(self.weight.detach()), requires_grad=False)
             return False
         if self.weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
             return False

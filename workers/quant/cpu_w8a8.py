@@ -29,14 +29,14 @@ _load, available = native.library(SOURCE, _SYMBOLS, ready=lambda lib: lib.w8a8_i
 
 
 def pack(weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 [N, K] and its scales [N] -> (AMX B tiles: N padded to 32, K to 64, [N/16][K/64][16][16][4];
-    fp32 scales [N])."""
+    """int8 [N, K] and its scales [N] -> (AMX B tiles: N padded to 32, K to 64, [N/16][K/64][16][16][4], on huge
+    pages (native.huge_page_copy); fp32 scales [N])."""
     n, k = weight.shape
     np_, kp = -(-n // 32) * 32, -(-k // 64) * 64
     w = torch.nn.functional.pad(weight.to(torch.int8), (0, kp - k, 0, np_ - n))
     # w[nb * 16 + j, kc * 64 + r * 4 + i] -> tiles[nb, kc, r, j, i]
     tiles = w.reshape(np_ // 16, 16, kp // 64, 16, 4).permute(0, 2, 3, 1, 4).contiguous()
-    return tiles.flatten(), scale.float().flatten().contiguous()
+    return native.huge_page_copy(tiles.flatten()), scale.float().flatten().contiguous()
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None, n: int):
