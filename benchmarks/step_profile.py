@@ -5,7 +5,7 @@
 One process, three variants alternating round by round on the same prompts (base requests only, greedy; each
 round starts at the next variant, so that no variant always runs after the same one):
 `torch` (the engine as the benchmarks run it, LoRA enabled, cpu_ops.ENABLED off: the torch ops), `kernels`
-(the same engine, kernels on) and `kernels_lora_off` (an engine built without LoRA: what a step with no adapter
+(the same engine, kernels on: cpu_ops.c's element-wise ops and the greedy sampler's argmax) and `kernels_lora_off` (an engine built without LoRA: what a step with no adapter
 costs the LoRA-enabled engine is the difference). Parts are wall-clock accumulators on the hot functions
 (benchmarks.profile_decode.timed_parts): gemm (every base linear, LM head included), attention, lora, sampling,
 and "other" = the rest of the step, split into elementwise (norms, rope + KV write, SiLU-and-mul), model_rest

@@ -1,5 +1,6 @@
 """The CPU element-wise kernels (workers/cpu_ops.c) against the torch references they replace: RMSNorm (+ residual
-add), SiLU-and-mul, q/k norm + rope + KV write; eager calls, the registered ops, and a captured tape's replay."""
+add), SiLU-and-mul, q/k norm + rope + KV write, the greedy argmax; eager calls, the registered ops, and a captured
+tape's replay."""
 from __future__ import annotations
 
 import types
@@ -157,6 +158,22 @@ def test_qkv_rope_refuses_positions_and_slots_out_of_range():
             _kernel(cpu_ops.qkv_rope, rope, qkv, bad_positions, bad_slots, cache, None, 4, 2)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,vocab", [(1, 1), (3, 15), (5, 17), (2, 64), (4, 67), (32, 32000), (3, 151_937)])
+def test_argmax_matches_torch_first_maximum_and_first_nan(dtype, rows, vocab):
+    gen = _gen()
+    x = _wide(rows, vocab, dtype, gen, scale=4.0)   # rows apart by more than the vocabulary
+    x[0, vocab // 2] = x[0, vocab - 1] = x.max() + 1   # a tie: the first one wins
+    cases = [x, torch.full_like(x, 1.0), torch.full_like(x, float("-inf"))]
+    if vocab > 3:
+        nans = x.clone()
+        nans[rows - 1, vocab - 1] = nans[rows - 1, 3] = float("nan")   # the first NaN, before the maximum
+        cases.append(nans)
+    for logits in cases:
+        assert torch.equal(cpu_ops.argmax(logits), logits.argmax(dim=-1))
+        assert torch.equal(torch.ops.loraserve.argmax(logits), logits.argmax(dim=-1))
+
+
 def test_captured_tape_replays_the_ops_on_new_inputs():
     """A captured decode records each op once (rope's KV write included) and replays it on the buffers' new values."""
     dtype, heads, kv_heads, head_dim = torch.bfloat16, 4, 2, 64
@@ -197,11 +214,13 @@ def test_ops_have_fakes_of_the_kernels_shapes():
         assert torch.ops.loraserve.silu_and_mul(x).shape == (3, 10)
         q, k = _kernel(torch.ops.loraserve.qkv_rope, rope, qkv, positions, slots, cache, norms, 4, 2)
         assert q.shape == (3, 4, 18) and k.shape == (3, 2, 18)
+        assert torch.ops.loraserve.argmax(x).shape == (3,) and torch.ops.loraserve.argmax(x).dtype == torch.int64
 
 
 def test_other_dtypes_and_the_off_switch_leave_the_torch_path(monkeypatch):
     x = torch.randn(2, 8, dtype=torch.float16)
     assert cpu_ops.rms_norm(x, torch.ones(8, dtype=torch.float16), 1e-6) is None
     assert cpu_ops.silu_and_mul(x) is None
+    assert cpu_ops.argmax(x) is None and cpu_ops.argmax(torch.randn(3)) is None   # fp16; not [B, V]
     monkeypatch.setattr(cpu_ops, "ENABLED", False)
     assert cpu_ops.silu_and_mul(x.float()) is None

@@ -61,3 +61,20 @@ def test_noise_is_uniform_and_keyed_by_seed_and_step():
     again = uniform_noise(torch.tensor([7]), torch.tensor([0]), 5000)
     assert torch.equal(again[0], u[0])
     assert math.isclose(u.var().item(), 1 / 12, rel_tol=0.05)
+
+
+def test_greedy_without_logprobs_reads_the_logits_as_they_are():
+    """A greedy step no row of which asks for logprobs takes the argmax of the logits in their own dtype (no fp32
+    copy) and computes no logprobs; asking for them gives the same tokens and the raw distribution's logprobs."""
+    logits = (torch.randn(5, 1001, generator=torch.Generator().manual_seed(0)) * 3).bfloat16()
+    logits[1, 10] = logits[1, 900] = logits.max() + 1   # a tie: the first maximum, as torch's argmax
+    quiet = step_rows(SamplingParams(temperature=0.0, logprobs=False), list(range(5)), 1001)[0]
+    asked = step_rows(SamplingParams(temperature=0.0), list(range(5)), 1001)[0]
+    assert not quiet.wants_logprobs and asked.wants_logprobs
+    fast = sample(logits, quiet)
+    assert fast.logprobs is None and torch.equal(fast.tokens, logits.float().argmax(-1))
+    full = sample(logits, asked)
+    assert torch.equal(full.tokens, fast.tokens) and fast.tokens[1] == 10
+    torch.testing.assert_close(full.logprobs, torch.log_softmax(logits.float(), -1).gather(-1, full.tokens[:, None])[:, 0])
+    top = step_rows(SamplingParams(temperature=0.0, logprobs=False, top_logprobs=2), list(range(5)), 1001)[0]
+    assert top.wants_logprobs and sample(logits, top).top_ids.shape == (5, 2)   # alternatives asked: computed

@@ -1,5 +1,5 @@
 """A decoder layer's element-wise ops on the CPU through cpu_ops.c (ctypes): RMSNorm (+ residual add), q/k
-RMSNorm + rope + KV-cache write, SiLU-and-mul.
+RMSNorm + rope + KV-cache write, SiLU-and-mul; and the greedy sampler's argmax.
 
 Each is also the torch op loraserve::<name> (with a fake), so a captured decode records it on the tape
 (workers/tape_graph.py) and FakeTensor mode / torch.compile see a fixed-shape op. An eager call (no dispatch
@@ -24,7 +24,7 @@ SOURCE = Path(__file__).with_name("cpu_ops.c")
 _DTYPES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _ARGTYPES = {"rms_norm": [_P, _I, _P, _I, _P, _P, ctypes.c_float, _I, _I, _P],
-             "silu_and_mul": [_P, _I, _I, _I, _P], "qkv_rope": [_P]}
+             "silu_and_mul": [_P, _I, _I, _I, _P], "qkv_rope": [_P], "argmax": [_P, _I, _I, _I, _P]}
 # Off switch for A/B measurement in one process (benchmarks/step_profile.py); LORASERVE_CPU_OPS=0 at start.
 ENABLED = os.environ.get("LORASERVE_CPU_OPS", "1") != "0"
 
@@ -72,10 +72,12 @@ def _rms_norm_impl(x, weight, eps: float, delta=None):
     if delta is None:
         _fn("rms_norm", x.dtype)(rows.data_ptr(), rows.stride(0), None, 0, None, weight.data_ptr(), eps,
                                  rows.shape[0], D, out.data_ptr())
-        return out.view(x.shape), None
+        return (out if x.dim() == 2 else out.view(x.shape)), None
     deltas, total = _rows(delta), torch.empty(rows.shape[0], D, dtype=x.dtype)
     _fn("rms_norm", x.dtype)(rows.data_ptr(), rows.stride(0), deltas.data_ptr(), deltas.stride(0), total.data_ptr(),
                              weight.data_ptr(), eps, rows.shape[0], D, out.data_ptr())
+    if x.dim() == 2:   # a decoder layer's [T, hidden]: no views (a few us each, 16 calls a step)
+        return out, total
     return out.view(x.shape), total.view(x.shape)
 
 
@@ -181,17 +183,34 @@ def qkv_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin:
     return _qkv_rope_impl(*args) if _eager() else torch.ops.loraserve.qkv_rope(*args)
 
 
+# ---- greedy sampling ----------------------------------------------------------------------------------------
+def _argmax_impl(logits):
+    rows = _rows(logits)
+    out = torch.empty(rows.shape[0], dtype=torch.int64)
+    _fn("argmax", logits.dtype)(rows.data_ptr(), rows.stride(0), rows.shape[0], rows.shape[1], out.data_ptr())
+    return out
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor | None:
+    """logits [B, V].argmax(-1) (torch's: the first maximum, the first NaN where a row has one), or None."""
+    if logits.dim() != 2 or not applies(logits):
+        return None
+    return _argmax_impl(logits) if _eager() else torch.ops.loraserve.argmax(logits)
+
+
 # ---- the torch ops (captured decode, FakeTensor mode, torch.compile) ----------------------------------------
 _LIB = torch.library.Library("loraserve", "FRAGMENT")   # beside cpu_attention.py's and cpu_sgmv.py's ops
 _LIB.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
 _LIB.define("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)")
 _LIB.define("silu_and_mul(Tensor x) -> Tensor")
+_LIB.define("argmax(Tensor logits) -> Tensor")
 _LIB.define("qkv_rope(Tensor qkv, Tensor positions, Tensor cos, Tensor sin, Tensor? q_weight, Tensor? k_weight, "
             "float eps, int num_heads, int num_kv_heads, Tensor(a!) k_cache, Tensor(b!) v_cache, "
             "Tensor slot_mapping) -> (Tensor, Tensor)")
 _LIB.impl("rms_norm", lambda x, weight, eps: _rms_norm_impl(x, weight, eps)[0], "CPU")
 _LIB.impl("add_rms_norm", lambda x, delta, weight, eps: _rms_norm_impl(x, weight, eps, delta)[::-1], "CPU")
 _LIB.impl("silu_and_mul", _silu_and_mul_impl, "CPU")
+_LIB.impl("argmax", _argmax_impl, "CPU")
 _LIB.impl("qkv_rope", _qkv_rope_impl, "CPU")
 
 
@@ -208,3 +227,5 @@ torch.library.register_fake("loraserve::add_rms_norm",
 torch.library.register_fake("loraserve::silu_and_mul",
                             lambda x: x.new_empty(*x.shape[:-1], x.shape[-1] // 2), lib=_LIB)
 torch.library.register_fake("loraserve::qkv_rope", _fake_qkv_rope, lib=_LIB)
+torch.library.register_fake("loraserve::argmax", lambda logits: logits.new_empty(logits.shape[0], dtype=torch.int64),
+                            lib=_LIB)

@@ -14,7 +14,11 @@ repetition / frequency / presence penalties, then the grammar's token bitmask
 (SamplerState.token_bitmask: rows the runner copies in from the plan each step,
 unpacked with fixed-shape ops), then temperature, min-p, top-k, top-p.
 Returned logprobs (the sampled token's and the top alternatives) are of the raw
-distribution, before any of these (vLLM's default `raw_logprobs`).
+distribution, before any of these (vLLM's default `raw_logprobs`); a step none of whose rows asks for them
+(SamplingParams.logprobs False, no top_logprobs) computes none (a logsumexp over the vocabulary, ~1 ms at
+batch 32) and returns NaN for each. Greedy argmax runs on cpu_ops.c's kernel (torch's own: ~1 ms at batch
+32), on the logits in the model's dtype: a step of greedy rows without processors or logprobs never widens
+them to fp32.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from typing import NamedTuple
 import torch
 
 from lora.transfer import to_device
+from workers import cpu_ops
 from workers.plan import SamplerInit
 
 _MASK32 = 0xFFFFFFFF
@@ -47,6 +52,12 @@ class SamplingTensors:
     use_bias: bool = False
     num_top_logprobs: int = 0                   # host: the most alternatives any row asked for
     use_grammar: bool = False                   # host: rows [0, B) of state.token_bitmask hold this step's masks
+    wants_logprobs: bool = True                 # host: some row asked for logprobs (False: none computed)
+
+    @property
+    def processes(self) -> bool:
+        """Whether any logit processor or grammar mask changes the logits before the draw."""
+        return self.hold_stops is not None or self.use_bias or self.penalties is not None or self.use_grammar
 
 
 class RowFlags(NamedTuple):
@@ -58,6 +69,7 @@ class RowFlags(NamedTuple):
     biased: bool
     min_tokens: int
     top_logprobs: int
+    logprobs: bool       # the sampled token's logprob (or top alternatives) asked for
 
 
 # a row's scalars, one per line of SamplerState.floats, then of .ints (so a step's gather of them is contiguous)
@@ -101,7 +113,8 @@ class SamplerState:
         for k, init in zip(ks, inits):
             p, slot = init.params, init.slot
             self.flags[slot] = RowFlags(p.temperature == 0, k < self.vocab_size or p.top_p < 1.0, p.min_p > 0,
-                                        p.uses_penalties, bool(p.logit_bias), p.min_tokens, p.top_logprobs)
+                                        p.uses_penalties, bool(p.logit_bias), p.min_tokens, p.top_logprobs,
+                                        p.logprobs or p.top_logprobs > 0)
             if init.output_ids:
                 self.output_counts[slot].index_add_(0, as_ids(init.output_ids),
                                                     torch.ones(len(init.output_ids), dtype=torch.int32, device=device))
@@ -128,7 +141,8 @@ class SamplerState:
             min_ps=floats[_MIN_P] if any(f.min_p for f in flags) else None, slots=index,
             penalties=floats[_PENALTIES].T if any(f.penalized for f in flags) else None,
             hold_stops=step < ints[_MIN_TOKENS] if holds else None, use_bias=any(f.biased for f in flags),
-            num_top_logprobs=max(f.top_logprobs for f in flags), use_grammar=use_grammar)
+            num_top_logprobs=max(f.top_logprobs for f in flags), use_grammar=use_grammar,
+            wants_logprobs=any(f.logprobs for f in flags))
 
     def load_bitmask(self, num_rows: int, rows: list[int], bitmask: torch.Tensor) -> None:
         """This step's masks: `bitmask[i]` for sampled row `rows[i]`, every other row of [0, num_rows) free."""
@@ -221,18 +235,34 @@ def _filter(probs: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
 @dataclass
 class SampleResult:
     tokens: torch.Tensor                 # [B]
-    logprobs: torch.Tensor               # [B] of each sampled token, raw distribution
+    logprobs: torch.Tensor | None        # [B] of each sampled token, raw distribution; None: no row asked
     top_ids: torch.Tensor | None = None  # [B, k] the k likeliest tokens (raw), k = num_top_logprobs
     top_logprobs: torch.Tensor | None = None
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(-1), through the CPU kernel where it applies (the same index: torch's first maximum)."""
+    tokens = cpu_ops.argmax(logits)
+    return logits.argmax(dim=-1) if tokens is None else tokens
+
+
 def sample(logits: torch.Tensor, t: SamplingTensors, state: SamplerState | None = None) -> SampleResult:
-    """Token ids [B], their logprobs under the model's raw distribution, and the top alternatives."""
-    raw = logits.float()
+    """Token ids [B], their logprobs under the model's raw distribution, and the top alternatives. `logits` in
+    any float dtype: widened to fp32 where the maths needs it (processors, softmax, logprobs)."""
+    if t.all_greedy and not t.processes and not t.wants_logprobs:
+        result = SampleResult(argmax(logits), None)   # the argmax of the logits as they are: no fp32 copy
+    else:
+        result = _sample(logits.float(), t, state)
+    if state is not None and t.slots is not None:   # every step: the counts are a sequence's whole output
+        state.record(t.slots, result.tokens)
+    return result
+
+
+def _sample(raw: torch.Tensor, t: SamplingTensors, state: SamplerState | None) -> SampleResult:
     logits = apply_processors(raw, t, state)
     if t.use_grammar:
         logits = apply_token_bitmask(logits, state.token_bitmask[:logits.shape[0]])
-    greedy = logits.argmax(dim=-1)
+    greedy = argmax(logits)
     if t.all_greedy:
         # The noise hash over [B, vocab] int64 (~20 ms a step at batch 32 on CPU, more than the
         # LM head) is ignored by greedy rows; the host flag (from the plan, no sync) skips it,
@@ -243,12 +273,12 @@ def sample(logits: torch.Tensor, t: SamplingTensors, state: SamplerState | None 
         probs = _filter(torch.softmax(logits / temperature[:, None], dim=-1), t)
         # Exponential race: argmax p / E with E ~ Exp(1) draws from p (Gumbel-max in another form).
         exponential = -torch.log(uniform_noise(t.seeds, t.steps, logits.shape[-1]))
-        tokens = torch.where(t.temperatures > 0, (probs / exponential).argmax(dim=-1), greedy)
+        tokens = torch.where(t.temperatures > 0, argmax(probs / exponential), greedy)
+    if not t.wants_logprobs:
+        return SampleResult(tokens, None)
     norm = torch.logsumexp(raw, dim=-1)
     result = SampleResult(tokens, raw.gather(-1, tokens[:, None]).squeeze(-1) - norm)
     if t.num_top_logprobs:
         values, ids = raw.topk(t.num_top_logprobs, dim=-1)
         result.top_ids, result.top_logprobs = ids, values - norm[:, None]
-    if state is not None and t.slots is not None:   # every step: the counts are a sequence's whole output
-        state.record(t.slots, tokens)
     return result

@@ -161,9 +161,10 @@ class LlamaForCausalLM(nn.Module):
         return MLP(cfg, tp)
 
     def forward(self, batch: ForwardBatch, kv_cache) -> torch.Tensor:
-        """Logits [len(batch.logits_indices), vocab] in fp32."""
+        """Logits [len(batch.logits_indices), vocab] in the model's dtype (the sampler widens them to fp32 only where
+        its maths needs it: a greedy step without logprobs reads them as they are)."""
         x, residual = self.embed_tokens(batch.input_ids, batch.lora), None
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, batch, (kv_cache.k[i], kv_cache.v[i]))
         rows = batch.logits_indices
-        return self.lm_head(self.norm(residual[rows] + x[rows]), batch.lm_lora).float()
+        return self.lm_head(self.norm(residual[rows] + x[rows]), batch.lm_lora)
