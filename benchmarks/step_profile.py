@@ -13,6 +13,9 @@ and "other" = the rest of the step, split into elementwise (norms, rope + KV wri
 detokenization: the step outside the forward and the sampler). The step-time ratios come from a plain run of
 each variant in the same round (no accumulators: they add ~1 us to each of ~140 wrapped calls a step).
 
+The process runs as an engine process does: glibc's malloc on transparent huge pages (workers/engine_process.py's
+MALLOC_TUNABLES; it re-executes itself with them unless GLIBC_TUNABLES is set, e.g. empty for glibc's defaults).
+
 Beside them, the fraction of the memory-bandwidth bound each variant reaches (benchmarks/bandwidth.py: the
 bytes a step must read at this machine's median read bandwidth) and the GEMM-only ceiling: the fraction a
 step made of nothing but its measured GEMMs would reach. Writes results/step_profile.json and .md
@@ -20,6 +23,8 @@ step made of nothing but its measured GEMMs would reach. Writes results/step_pro
 """
 from __future__ import annotations
 
+import os
+import sys
 from statistics import median
 
 from benchmarks import bandwidth
@@ -91,7 +96,8 @@ def run(sizes: Sizes = FULL, dtype: str = "bfloat16", rounds: int = 3, log=print
               "lora_off_over_lora_enabled_step": [o["plain_step_ms"] / k["plain_step_ms"] for o, k in
                                                   zip(samples["kernels_lora_off"], samples["kernels"])]}
     return {"benchmark": "step_profile", "dtype": dtype, "sizes": sizes_dict(sizes), "machine": machine_info(),
-            "rounds": rounds, "read_bandwidth_bytes_per_s": bw, "step_bytes": step_bytes, "bound_step_ms": bound_ms,
+            "rounds": rounds, "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
+            "read_bandwidth_bytes_per_s": bw, "step_bytes": step_bytes, "bound_step_ms": bound_ms,
             "variants": variants, "ratios_per_round": ratios, "samples": samples}
 
 
@@ -100,7 +106,8 @@ def markdown(data: dict) -> str:
     lines = [f"# Batch-{data['sizes']['batch']} base decode step ({data['dtype']}, {data['sizes']['threads']} "
              f"threads), CPU element-wise kernels off / on", "",
              "`.venv/bin/python -m benchmarks.step_profile`: medians of "
-             f"{data['rounds']} alternating rounds, ms per decode step.", "",
+             f"{data['rounds']} alternating rounds, ms per decode step (GLIBC_TUNABLES="
+             f"{data.get('glibc_tunables') or ''!r}).", "",
              "| variant | step (plain run) | step | gemm | attention | lora | sampling | other | elementwise | model_rest "
              "| host | other / step | of bandwidth bound | GEMM-only ceiling |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -123,6 +130,12 @@ def markdown(data: dict) -> str:
 def main(argv=None) -> dict:
     import argparse
 
+    if "GLIBC_TUNABLES" not in os.environ:   # glibc reads it at start: run again, as the engine process starts
+        from workers.engine_process import MALLOC_TUNABLES
+
+        args = sys.argv[1:] if argv is None else list(argv)
+        os.execve(sys.executable, [sys.executable, "-m", "benchmarks.step_profile", *args],
+                  {**os.environ, "GLIBC_TUNABLES": MALLOC_TUNABLES})
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--sizes", default=None, help="JSON overrides of benchmarks.common.Sizes")

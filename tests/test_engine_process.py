@@ -80,8 +80,12 @@ def test_a_killed_engine_process_fails_every_stream_and_call_and_reads_unhealthy
         engine.close()
 
 
-def test_close_ends_the_engine_process_and_pending_streams(model):
+def test_close_ends_the_engine_process_and_pending_streams(model, monkeypatch):
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
     engine = start_engine(config(model), {})
+    # started with glibc's malloc on transparent huge pages (engine_process.MALLOC_TUNABLES)
+    with open(f"/proc/{engine.client.pid}/environ", "rb") as f:
+        assert b"GLIBC_TUNABLES=glibc.malloc.hugetlb=1" in f.read().split(b"\0")
 
     async def main():
         stream = engine.generate("Hello", LONG)

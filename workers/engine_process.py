@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
+import os
 import socket
 import subprocess
 import sys
@@ -39,6 +40,10 @@ from workers.request import EngineRequest
 
 START_TIMEOUT_S = 1800.0   # a big model loads for minutes
 CLOSE_TIMEOUT_S = 30.0
+# glibc's malloc on transparent huge pages in the engine process: with THP in its usual `madvise` mode no tensor is
+# otherwise, and a decode step streams every weight and its KV through 4 KiB page walks (benchmarks/hugepages.py,
+# docs/cpu.md). glibc reads it once, at the process's start; a GLIBC_TUNABLES of the caller's own (empty: none) is kept.
+MALLOC_TUNABLES = "glibc.malloc.hugetlb=1"
 
 
 def build_engine(config: EngineConfig, adapters: dict[str, str]):
@@ -66,8 +71,9 @@ class ProcessCoreClient(EngineCoreClient):
             raise ValueError("an engine process holds an in-process engine (tensor_parallel_size=1, not "
                              "distributed_executor='ray'), not the ranks of a Ray executor")
         ours, theirs = socket.socketpair()
+        env = {"GLIBC_TUNABLES": MALLOC_TUNABLES, **os.environ}
         self._proc = subprocess.Popen([sys.executable, "-m", "workers.engine_core", str(theirs.fileno())],
-                                      pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+                                      pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, env=env)
         theirs.close()
         self._conn = Connection(ours.detach())
         self._send_lock = threading.Lock()
