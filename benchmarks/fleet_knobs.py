@@ -1,7 +1,7 @@
 """Our router's knobs in the fleet simulation, at both sizes: the real fleet's (its recorded arrivals replayed, as
 benchmarks/fleet_validate.py does) and 64 replicas x 10,000 adapters (benchmarks/fleet_sim.py).
 
-    .venv/bin/python -m benchmarks.fleet_knobs [--options '[{}, {"cold_spill_factor": 3.0}]'] [--loaded 64]
+    .venv/bin/python -m benchmarks.fleet_knobs [--options '[{}, {"cold_spill_factor": 3.0}]'] [--fleet '{"rate": 20}']
 
 For each set of AffinityPolicy knobs (and prefetch_fill), per setting: host-cache hit rate, imbalance p99 (max /
 mean in-flight over 10 s windows), TTFT p99, and at 64 x 10,000 the issue's bounds (cold loads per replica per
@@ -21,8 +21,9 @@ import sys
 from benchmarks.common import RESULTS, write_result
 from benchmarks.fleet_calibration import calibrated_costs
 from benchmarks.fleet_sim import FLEET_SCENARIO, NPU_COSTS, PHASES, percentile, simulate, window_ratios
-from benchmarks.fleet_validate import ROUTERS, Replay, serving_costs, sim_metrics, spec_of
+from benchmarks.fleet_validate import ROUTERS, Replay, serving_costs, sim_metrics
 
+DRAIN_S = 5.0   # output tok/s: the tokens of the requests that finished by this long after the last arrival
 VARIANTS = [{}, {"cold_spill_factor": 3.0, "home_share": 0.25},
             {"cold_spill_factor": 2.0, "home_share": 0.25, "load_factor": 1.0, "min_spill_load": 1}]
 
@@ -40,8 +41,10 @@ def real_size(options: dict, replay: Replay, costs, background: float, seeds: in
         for (setting, routing), i in first.items():
             sim, start, end = windows[i]
             metrics = sim_metrics(got[i], replay.fleet.replicas)
+            tokens = sum(r.output_tokens for r in got[i] if r.finished_at is not None and r.finished_at <= end + DRAIN_S)
             row[(setting, routing)] = {"hit_rate": metrics["hit_rate"], "ttft_p99_ms": metrics["ttft_p99_ms"],
-                                       "imbalance_p99": percentile(window_ratios(sim.samples, start, end), 99)}
+                                       "imbalance_p99": percentile(window_ratios(sim.samples, start, end), 99),
+                                       "output_tok_s": tokens / (end - start)}
         per_seed.append(row)
     return {f"{setting} {routing}": {k: statistics.fmean(r[(setting, routing)][k] for r in per_seed)
                                      for k in per_seed[0][(setting, routing)]} for setting, routing in first}
@@ -64,12 +67,13 @@ def markdown(result: dict) -> str:
     names = [json.dumps(v["options"]) for v in variants]
     settings = dict.fromkeys(key.split()[0] for key in variants[0]["real"])
     lines = [f"`{result['command']}`", "", f"Real size: {result['real']} replayed ({result['fleet']}), background "
-             f"{result['background']:g} jobs, {result['seeds']} seeds. Cells: hit rate / imbalance p99 / TTFT p99 ms; "
+             f"{result['background']:g} jobs, {result['seeds']} seeds. Cells: hit rate / imbalance p99 / TTFT p99 ms / "
+             "output tok/s; "
              "ours with each set of knobs ({} = the defaults), Serve's default router first.", "",
              "| setting | Serve's default | " + " | ".join(names) + " |", "|---" * (len(names) + 2) + "|"]
 
     def cell(c: dict) -> str:
-        return f"{c['hit_rate']:.3f} / {c['imbalance_p99']:.2f} / {c['ttft_p99_ms']:.0f}"
+        return f"{c['hit_rate']:.3f} / {c['imbalance_p99']:.2f} / {c['ttft_p99_ms']:.0f} / {c['output_tok_s']:.0f}"
     for setting in settings:
         lines.append(f"| {setting} | {cell(variants[0]['real'][f'{setting} multiplex'])} | " + " | ".join(
             cell(v["real"][f"{setting} adapter-affinity"]) for v in variants) + " |")
@@ -88,7 +92,8 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--options", type=json.loads, default=VARIANTS, help="a JSON list of knob sets")
     parser.add_argument("--real", default=str(RESULTS / "fleet.json"), help="a recorded benchmarks/fleet.py run")
-    parser.add_argument("--loaded", type=int, default=None, help="max_loaded_loras per replica instead of the run's")
+    parser.add_argument("--fleet", type=json.loads, default={},
+                        help='FleetSpec fields over the run\'s, e.g. {"max_loaded_loras": 64, "rate": 20}')
     parser.add_argument("--background", type=float, default=1.0)
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--phases", default=",".join(PHASES), help="64 x 10,000 phases ('' for none)")
@@ -97,10 +102,8 @@ def main(argv=None) -> dict:
     real = json.loads(open(args.real).read())
     calibration = json.loads((RESULTS / "fleet_calibration.json").read_text())
     costs, path_cpu_s = serving_costs(calibrated_costs(), json.loads((RESULTS / "fleet_path_cpu.json").read_text()))
+    real["fleet"].update(args.fleet)   # the replayed arrivals follow its rate
     replay = Replay(real, 2.0, calibration["engine"]["max_num_batched_tokens"], path_cpu_s, 0.0)
-    if args.loaded:
-        replay.fleet = dataclasses.replace(replay.fleet, max_loaded_loras=args.loaded)
-        replay.spec = spec_of(replay.fleet, calibration["engine"]["max_num_batched_tokens"])
     phases = [p for p in args.phases.split(",") if p]
     command = "python -m benchmarks.fleet_knobs " + " ".join(sys.argv[1:] if argv is None else argv)
     result = {"command": command, "real": args.real,
