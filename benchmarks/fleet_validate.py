@@ -105,14 +105,16 @@ class Replay:
         working: the rest of it."""
         return max(0.0, self.floor_s - self.path_cpu_s * max(1.0, (1 + background) / self.cores))
 
-    def simulate(self, costs: StepCosts, background: dict[int, float], seed: int) -> dict[int, list]:
-        """Run index -> its timed SimRequests, simulated; the `background` jobs per run."""
+    def simulate(self, costs: StepCosts, background: dict[int, float], seed: int, options: tuple = (),
+                 windows: dict | None = None) -> dict[int, list]:
+        """Run index -> its timed SimRequests, simulated; the `background` jobs per run; `options`: our router's
+        knobs (fleet_sim.simulate's); `windows`, if given, gets run index -> (its simulation, timed start, end)."""
         out = {}
         for routing, router in ROUTERS.items():
             scenario = Scenario(replicas=self.fleet.replicas, num_adapters=self.fleet.num_adapters,
                                 rate=self.fleet.rate, duration_s=0.0, warmup_s=0.0, spec=self.spec, cores=self.cores,
                                 path_before_routing=self.before_routing)
-            sim = Simulation(scenario, costs, router, seed)
+            sim = Simulation(scenario, costs, router, seed, options if router == "adapter-affinity" else ())
             configured = adapter_names(self.fleet.num_adapters)[-self.spec.max_loaded_loras:]
             for replica in sim.replicas:
                 replica.host = OrderedDict.fromkeys(configured)
@@ -126,6 +128,8 @@ class Replay:
                 t += warm[-1].at + 1.0 + SETTLE_S   # the warm-up's last answer, then fleet.py's settle
                 out[i] = [SimRequest(t + r.at, r.adapter, r.prompt_tokens, r.output_tokens) for r in timed]
                 everything += out[i]
+                if windows is not None:
+                    windows[i] = (sim, t, t + timed[-1].at)
                 t += timed[-1].at + BETWEEN_RUNS_S
             everything.sort(key=lambda r: r.at)
             sim.run(everything)
