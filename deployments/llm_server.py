@@ -38,7 +38,7 @@ from workers.async_engine import AsyncLLMEngine
 from workers.config import SamplingParams
 from workers.engine_process import start_engine
 from workers.request import EngineRequest
-from workers.limits import check_token_ids, room_to_generate
+from workers.limits import check_token_ids
 from workers.output import TokenNames
 from workers.reasoning import think_tokens
 from workers.sequence import RequestOutput
@@ -91,7 +91,8 @@ class LLMServer(ReplicaAdapters):
     # ---- generation ---------------------------------------------------------------------------------
     async def generate(self, prompt: Prompt | None = None, sampling_params: SamplingParams | dict | None = None,
                        *, messages: list[dict] | None = None, request_id: str | None = None) -> ServedOutput:
-        """The finished output (cumulative). The adapter is the call's `multiplexed_model_id`."""
+        """The finished output (cumulative). The adapter is the call's `multiplexed_model_id`; `sampling_params`
+        a SamplingParams, or its keyword arguments (`handle_params`)."""
         [out] = await self.generate_choices(prompt, sampling_params, messages=messages, request_id=request_id)
         return out
 
@@ -106,13 +107,14 @@ class LLMServer(ReplicaAdapters):
         and bytes of every token it names (`token_names`, for logprobs); `tools`, `chat_template_kwargs`: rendered
         by the chat template (workers/tokenizer.render_chat)."""
         check_choices(n, best_of)
-        return await self._choices(prompt, sampling_params, messages, request_id, n, best_of, echo, names, tools,
+        params = handle_params(sampling_params, chat=messages is not None)
+        return await self._choices(prompt, params, messages, request_id, n, best_of, echo, names, tools,
                                    chat_template_kwargs)
 
-    async def _choices(self, prompt, sampling_params, messages, request_id, n, best_of, echo, names, tools,
+    async def _choices(self, prompt, params: SamplingParams, messages, request_id, n, best_of, echo, names, tools,
                        chat_template_kwargs) -> list[ServedOutput]:
         """`generate_choices` of choices checked already (a handle call's, or the ingress's request body)."""
-        request = await self._start(prompt, sampling_params, messages, request_id, tools, chat_template_kwargs)
+        request = await self._start(prompt, params, messages, request_id, tools, chat_template_kwargs)
         count = best_of or n
         try:
             async with asyncio.TaskGroup() as group:   # one failing cancels the others (their requests abort)
@@ -138,15 +140,16 @@ class LLMServer(ReplicaAdapters):
         character, or a possible start of a stop string.
         """
         check_choices(n, stream=True)
-        async with aclosing(self._stream(prompt, sampling_params, messages, request_id, n, echo, names, tools,
+        params = handle_params(sampling_params, chat=messages is not None)
+        async with aclosing(self._stream(prompt, params, messages, request_id, n, echo, names, tools,
                                          chat_template_kwargs)) as items:
             async for item in items:
                 yield item
 
-    async def _stream(self, prompt, sampling_params, messages, request_id, n, echo, names, tools,
+    async def _stream(self, prompt, params: SamplingParams, messages, request_id, n, echo, names, tools,
                       chat_template_kwargs) -> AsyncIterator[ServedOutput]:
         """`generate_stream` of choices checked already (a handle call's, or the ingress's request body)."""
-        request = await self._start(prompt, sampling_params, messages, request_id, tools, chat_template_kwargs)
+        request = await self._start(prompt, params, messages, request_id, tools, chat_template_kwargs)
         streams = [self._deltas(choice(request, i, n), i, prompt if echo else None, names) for i in range(n)]
         # one choice needs no merging (a task and a queue hop per token)
         async with aclosing(streams[0] if n == 1 else merge(streams)) as items:
@@ -154,18 +157,18 @@ class LLMServer(ReplicaAdapters):
                 yield item
 
     # ---- OpenAI responses, rendered here ------------------------------------------------------------
-    async def render_choices(self, prompt: Prompt | None, sampling_params: dict, spec: RenderSpec | ResponsesSpec,
+    async def render_choices(self, prompt: Prompt | None, params: SamplingParams, spec: RenderSpec | ResponsesSpec,
                              *, messages: list[dict] | None = None, n: int = 1, best_of: int | None = None,
                              tools: list[dict] | None = None,
                              chat_template_kwargs: dict | None = None) -> RenderedChoices | RenderedResponse:
         """A whole answer's choices for one prompt, as JSON (render.join_body makes the body); a Responses
         request's whole body."""
         # n and best_of: checked with the request body (deployments/protocol.py)
-        outs = await self._choices(prompt, sampling_params, messages, None, n, best_of, spec.echo, spec.logprobs,
+        outs = await self._choices(prompt, params, messages, None, n, best_of, spec.echo, spec.logprobs,
                                    tools, chat_template_kwargs)
         return spec.render(outs, self.replica_id, self._think)
 
-    async def render_stream(self, prompt: Prompt | None, sampling_params: dict, spec: RenderSpec | ResponsesSpec, *,
+    async def render_stream(self, prompt: Prompt | None, params: SamplingParams, spec: RenderSpec | ResponsesSpec, *,
                             messages: list[dict] | None = None, n: int = 1,
                             tools: list[dict] | None = None,
                             chat_template_kwargs: dict | None = None) -> AsyncIterator[str | tuple[str, str]]:
@@ -176,7 +179,7 @@ class LLMServer(ReplicaAdapters):
 
         async def events() -> AsyncIterator[str]:
             # n: checked with the request body (deployments/protocol.py)
-            async with aclosing(self._stream(prompt, sampling_params, messages, None, n, spec.echo, spec.logprobs,
+            async with aclosing(self._stream(prompt, params, messages, None, n, spec.echo, spec.logprobs,
                                              tools, chat_template_kwargs)) as items:
                 async for item in items:
                     yield renderer.feed(item)
@@ -224,7 +227,7 @@ class LLMServer(ReplicaAdapters):
             out.token_names = {t: self._token_names(t) for t in ids}
         return out
 
-    async def _start(self, prompt: Prompt | None, sampling_params, messages, request_id: str | None,
+    async def _start(self, prompt: Prompt | None, params: SamplingParams, messages, request_id: str | None,
                      tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> EngineRequest:
         """The engine request, built and validated once (its choices share it): the adapter, the prompt's token
         ids (tokenized here, in front of the engine), the sampling parameters, the structured-output spec."""
@@ -233,13 +236,6 @@ class LLMServer(ReplicaAdapters):
             if prompt is not None:
                 raise ValueError("give a prompt or chat messages, not both")
             prompt = await self.engine.render_chat(messages, tools=tools, chat_template_kwargs=chat_template_kwargs)
-        params = sampling_params
-        if not isinstance(params, SamplingParams):
-            kwargs = dict(params or {})
-            if kwargs.get("max_tokens") is None and messages is not None and prompt:   # chat: the rest of the context
-                # (rendered already: token ids)
-                kwargs["max_tokens"] = room_to_generate(len(prompt), self.engine.max_model_len)
-            params = SamplingParams(**{k: v for k, v in kwargs.items() if v is not None})
         request = await self.engine.make_request(prompt, params, adapter, request_id)
         if params.structured is not None:   # an invalid schema is a 400 here, before any choice is queued
             await self.engine.check_grammar(params.structured)
@@ -324,6 +320,16 @@ class LLMServer(ReplicaAdapters):
                     pass
         if hasattr(self, "engine"):
             await asyncio.to_thread(self.engine.close)
+
+
+def handle_params(sampling_params: SamplingParams | dict | None, chat: bool) -> SamplingParams:
+    """A handle call's sampling parameters as the one form they keep to the engine: a SamplingParams as given, or
+    (the handle API's other form, docs/serving.md) its keyword arguments, None meaning the default, built once. A
+    chat's max_tokens defaults to the rest of the context, as on the chat route."""
+    if isinstance(sampling_params, SamplingParams):
+        return sampling_params
+    kwargs = {name: value for name, value in (sampling_params or {}).items() if value is not None}
+    return SamplingParams(**({"max_tokens": None} if chat else {}) | kwargs)
 
 
 def _start_engine(config: LLMConfig) -> AsyncLLMEngine:

@@ -37,6 +37,7 @@ from deployments.render import DONE, RenderSpec, join_body
 from deployments.responses_api import ResponsesRequest
 from deployments.vllm_metrics import render_vllm
 from lora.names import ADAPTER_NAME, check_adapter_name
+from workers.config import SamplingParams
 from workers.errors import EngineDeadError
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
@@ -112,7 +113,7 @@ class OpenAIIngress:
         try:
             body = await self._read(request, oai.CompletionRequest)
             adapter = self._adapter_of(body.model)
-            params = body.sampling_params(COMPLETION_DEFAULT_MAX_TOKENS)
+            params = body.to_sampling_params(COMPLETION_DEFAULT_MAX_TOKENS)
             prompts = body.prompts()
             spec = RenderSpec.of(body, chat=False)
             if len(prompts) * (body.best_of or body.n) > oai.MAX_PROMPTS:
@@ -136,7 +137,7 @@ class OpenAIIngress:
         try:
             body = await self._read(request, oai.ChatCompletionRequest)
             adapter = self._adapter_of(body.model)
-            params = body.sampling_params(None)
+            params = body.to_sampling_params()
             spec = RenderSpec.of(body, chat=True)
             options = dict(messages=body.chat_messages(), n=body.n, tools=body.template_tools(),
                            chat_template_kwargs=body.template_kwargs())
@@ -155,7 +156,7 @@ class OpenAIIngress:
             body = await self._read(request, ResponsesRequest)
             chat = body.chat_request()
             adapter = self._adapter_of(body.model)
-            params, spec = chat.sampling_params(None), body.render_spec(chat)
+            params, spec = chat.to_sampling_params(), body.render_spec(chat)
             options = dict(messages=chat.chat_messages(), tools=chat.template_tools(),
                            chat_template_kwargs=chat.template_kwargs())
             if body.stream:
@@ -170,7 +171,7 @@ class OpenAIIngress:
         return Response(join_body(spec, parts), media_type="application/json",
                         headers={REPLICA_HEADER: parts[-1].replica_id})
 
-    async def _chat_stream(self, adapter: str | None, params: dict, spec, options: dict,
+    async def _chat_stream(self, adapter: str | None, params: SamplingParams, spec, options: dict,
                            request: Request) -> Response:
         """A chat-shaped request's stream (chat completions, Responses): the replica renders `spec`'s events."""
         return await self._relay(self._handle(adapter, stream=True).render_stream.remote(

@@ -92,11 +92,23 @@ class OpenAIRequest(SamplingFields):
     def constraint(self):
         return constraint(self.response_format, self.structured_outputs)
 
-    def sampling_params(self, default_max_tokens: int | None) -> dict[str, Any]:
-        """Keyword arguments of workers.SamplingParams; max_tokens None = the rest of the context."""
-        return dict({name: getattr(self, name) for name in SAMPLING_FIELDS}, structured=self.constraint(),
-                    max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
-                    logit_bias=self._token_bias(), top_logprobs=self.num_top_logprobs)
+    def to_sampling_params(self, default_max_tokens: int | None = None) -> SamplingParams:
+        """The body's sampling parameters in the one form they keep from here to the engine's sequence (built,
+        so checked, once: workers/config.py). max_tokens None: the rest of the context, resolved where the
+        prompt's length is known (workers/request.py)."""
+        return SamplingParams(**{name: getattr(self, name) for name in SAMPLING_FIELDS if name != "stop"},
+                              stop=self._stop(), structured=self.constraint(), logit_bias=self._token_bias(),
+                              max_tokens=self._max_tokens(default_max_tokens), top_logprobs=self.num_top_logprobs,
+                              prompt_logprobs=self._prompt_logprobs())
+
+    def _max_tokens(self, default: int | None) -> int | None:
+        return self.max_tokens if self.max_tokens is not None else default
+
+    def _stop(self) -> list[str] | str | None:
+        return self.stop
+
+    def _prompt_logprobs(self) -> int | None:
+        return None
 
     @property
     def num_top_logprobs(self) -> int:
@@ -148,13 +160,13 @@ class CompletionRequest(OpenAIRequest):
     def num_top_logprobs(self) -> int:
         return self.logprobs or 0
 
-    def sampling_params(self, default_max_tokens: int | None) -> dict[str, Any]:
-        params = super().sampling_params(default_max_tokens)
-        if self.echo and self.logprobs is not None:
-            params["prompt_logprobs"] = self.logprobs
+    def _prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
+
+    def _max_tokens(self, default: int | None) -> int | None:
         if self.score_prompt:   # the prompt's logprobs come with a step; its one token is not shown (as vLLM)
-            params["max_tokens"] = 1
-        return params
+            return 1
+        return super()._max_tokens(default)
 
     def prompts(self) -> list[str | list[int]]:
         prompt = self.prompt
@@ -269,15 +281,15 @@ class ChatCompletionRequest(OpenAIRequest):
             fields["reasoning_effort"] = self.reasoning_effort
         return {**(self.chat_template_kwargs or {}), **fields}
 
-    def sampling_params(self, default_max_tokens: int | None) -> dict[str, Any]:
-        params = super().sampling_params(default_max_tokens)
-        if self.max_completion_tokens is not None:
-            params["max_tokens"] = self.max_completion_tokens
+    def _max_tokens(self, default: int | None) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else super()._max_tokens(default)
+
+    def _stop(self) -> list[str] | str | None:
         if self.parses_tool_calls and self.tool_choice in (None, "auto") and self.parallel_tool_calls is False:
             # auto, one call at most: generation ends with the first call (the parser takes it unterminated)
             stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-            params["stop"] = stops + [TOOL_CALL_END]
-        return params
+            return stops + [TOOL_CALL_END]
+        return self.stop
 
 
 MAX_LORA_NAME_CHARS = 1024   # names are checked again (at most 128 characters) where the adapter is loaded

@@ -36,6 +36,18 @@ def test_bad_sampling_params(kwargs, match):
         SamplingParams(**kwargs)
 
 
+def test_max_tokens_none_is_the_rest_of_the_context_resolved_with_the_prompt(engine):
+    """SamplingParams' max_tokens None (a chat's default) is made a number once, where the prompt's length is known
+    (workers/request.py), with min_tokens then checked against it; the caller's parameters stay as given."""
+    params = SamplingParams(max_tokens=None, temperature=0.0, min_tokens=2)
+    request = engine.make_request([1, 2, 3], params)
+    assert request.params.max_tokens == 61 and params.max_tokens is None
+    with pytest.raises(ValueError, match=r"min_tokens must be an integer in \[0, 61\], got 62"):
+        engine.make_request([1, 2, 3], SamplingParams(max_tokens=None, min_tokens=62))
+    with pytest.raises(ValueError, match="no room to generate"):
+        engine.make_request(list(range(1, 65)), SamplingParams(max_tokens=None))
+
+
 def test_unknown_adapter_is_refused(engine):
     with pytest.raises(AdapterError, match="nope"):
         engine.generate("Hello", OK, adapters=["nope"])

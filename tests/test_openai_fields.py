@@ -22,6 +22,7 @@ import requests
 import torch
 
 from deployments.render import RenderSpec
+from workers.config import SamplingParams
 from factories import PROMPTS, make_adapter, thinking_model
 from serve_fixtures import wait_until
 from sse import events
@@ -224,7 +225,7 @@ def test_end_to_end_stream_crosses_ray_in_fewer_items_than_events(url):
 
     handle = serve.get_deployment_handle("LLMServer", app_name=APP).options(stream=True)
     spec = RenderSpec(chat=False, model=BASE, include_usage=True, logprobs=True)   # an event per token
-    params = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)   # as the ingress builds them
     items = list(handle.render_stream.remote([5, 6, 7, 8], params, spec, n=4))
     replica_id, first = items[0]
     text = first + "".join(items[1:])

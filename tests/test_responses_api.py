@@ -45,7 +45,7 @@ def request(**fields) -> ResponsesRequest:
 
 def refusal(**fields) -> dict:
     with pytest.raises(Exception) as failed:
-        request(**fields).chat_request().sampling_params(None)   # as the route does
+        request(**fields).chat_request().to_sampling_params()   # as the route does
     status, body = error_body(failed.value)
     assert status == 400 and body["error"]["type"] == "BadRequestError"
     return body["error"]
@@ -54,9 +54,9 @@ def refusal(**fields) -> dict:
 def test_a_string_input_and_instructions_are_a_system_then_a_user_message():
     chat = request(input="Hi", instructions="Be brief", max_output_tokens=7, temperature=0.5).chat_request()
     assert chat.chat_messages() == [{"role": "system", "content": "Be brief"}, {"role": "user", "content": "Hi"}]
-    params = chat.sampling_params(None)
-    assert params["max_tokens"] == 7 and params["temperature"] == 0.5 and params["structured"] is None
-    assert request(input="Hi", temperature=None).chat_request().sampling_params(None)["temperature"] == 1.0
+    params = chat.to_sampling_params()
+    assert params.max_tokens == 7 and params.temperature == 0.5 and params.structured is None
+    assert request(input="Hi", temperature=None).chat_request().to_sampling_params().temperature == 1.0
 
 
 def test_earlier_output_items_become_the_chat_turns_they_were():
@@ -83,15 +83,15 @@ def test_tools_tool_choice_and_text_format_constrain_as_chat_completions_do():
     chat = request(input="Hi", tools=[WEATHER], tool_choice={"type": "function", "name": "get_weather"}).chat_request()
     assert chat.template_tools() == [{"type": "function", "function": {k: v for k, v in WEATHER.items()
                                                                         if k != "type"}}]
-    assert chat.sampling_params(None)["structured"].kind == "tool_calls" and chat.parses_tool_calls
+    assert chat.to_sampling_params().structured.kind == "tool_calls" and chat.parses_tool_calls
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
     text = {"format": {"type": "json_schema", "name": "answer", "schema": schema}}
     chat = request(input="Hi", text=text).chat_request()
-    assert chat.sampling_params(None)["structured"].kind == "json_schema"
+    assert chat.to_sampling_params().structured.kind == "json_schema"
     forced = request(input="Hi", text=text, tools=[WEATHER], tool_choice="required").chat_request()
-    assert forced.sampling_params(None)["structured"].kind == "tool_calls"   # no message left for text.format
+    assert forced.to_sampling_params().structured.kind == "tool_calls"   # no message left for text.format
     auto = request(input="Hi", text=text, tools=[WEATHER], tool_choice="auto").chat_request()
-    assert auto.sampling_params(None)["structured"].kind == "json_schema" and auto.template_tools()
+    assert auto.to_sampling_params().structured.kind == "json_schema" and auto.template_tools()
     assert request(input="Hi", tools=[WEATHER], tool_choice="none").chat_request().template_tools() is None
     spec = request(input="Hi", tools=[WEATHER], tool_choice="required", include=[], user="u").render_spec(
         request(input="Hi", tools=[WEATHER], tool_choice="required").chat_request())

@@ -245,11 +245,11 @@ def test_harmless_and_off_valued_fields_are_accepted():
         **COMPLETION, "user": "u", "n": 1, "best_of": 1, "top_logprobs": 0, "skip_special_tokens": True,
         "temperature": 0, "presence_penalty": 1, "repetition_penalty": 1.1, "min_p": 0.05, "min_tokens": 1,
         "logit_bias": {"12": -100}}))
-    params = ok.sampling_params(16)    # the implemented logits processors reach workers.SamplingParams
-    assert (ok.temperature, params["presence_penalty"], params["repetition_penalty"], params["min_p"],
-            params["min_tokens"], params["logit_bias"]) == (0.0, 1.0, 1.1, 0.05, 1, {12: -100.0})
+    params = ok.to_sampling_params(16)    # the implemented logits processors reach workers.SamplingParams
+    assert (ok.temperature, params.presence_penalty, params.repetition_penalty, params.min_p,
+            params.min_tokens, params.logit_bias) == (0.0, 1.0, 1.1, 0.05, 1, {12: -100.0})
     with pytest.raises(ValueError, match="token ids"):
-        oai.CompletionRequest(model="m", prompt="x", logit_bias={"the": 1}).sampling_params(16)
+        oai.CompletionRequest(model="m", prompt="x", logit_bias={"the": 1}).to_sampling_params(16)
     chat = oai.ChatCompletionRequest.model_validate_json(json.dumps({
         "model": "m", "messages": [{"role": "user", "content": "hi", "name": "bob"}], "metadata": {"k": "v"}}))
     assert chat.chat_messages() == [{"role": "user", "content": "hi"}]

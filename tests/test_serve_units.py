@@ -72,7 +72,7 @@ def test_openai_requests_refuse_what_they_cannot_honour():
         oai.CompletionRequest(model="m", prompt="x", unknown_field=1)
     parts = [{"type": "text", "text": "hi"}]
     chat = oai.ChatCompletionRequest(model="m", messages=[{"role": "user", "content": parts}], max_completion_tokens=5)
-    assert chat.chat_messages() == [{"role": "user", "content": "hi"}] and chat.sampling_params(None)["max_tokens"] == 5
+    assert chat.chat_messages() == [{"role": "user", "content": "hi"}] and chat.to_sampling_params().max_tokens == 5
     with pytest.raises(ValueError, match="image_url"):
         oai.ChatMessage(role="user", content=[{"type": "image_url", "image_url": {}}]).text()
 

@@ -55,24 +55,24 @@ def chat(**kw) -> ChatCompletionRequest:
 
 
 def test_request_fields_become_one_constraint():
-    assert chat().sampling_params(None)["structured"] is None
-    assert chat(tools=TOOLS).sampling_params(None)["structured"] is None                # auto: free text, parsed
+    assert chat().to_sampling_params().structured is None
+    assert chat(tools=TOOLS).to_sampling_params().structured is None                # auto: free text, parsed
     assert chat(tools=TOOLS, tool_choice="none").template_tools() is None               # not shown to the model
-    required = chat(tools=TOOLS, tool_choice="required").sampling_params(None)["structured"]
+    required = chat(tools=TOOLS, tool_choice="required").to_sampling_params().structured
     spec = json.loads(required.value)
     assert required.kind == "tool_calls" and spec["parallel"] and [n for n, _ in spec["tools"]] == ["f", "g"]
     assert spec["tools"][1][1] == {"type": "object", "properties": {}}                  # no parameters: none
-    named = chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "g"}}).sampling_params(None)
-    assert json.loads(named["structured"].value) == {"parallel": False, "tools": [["g", {"type": "object",
+    named = chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "g"}}).to_sampling_params()
+    assert json.loads(named.structured.value) == {"parallel": False, "tools": [["g", {"type": "object",
                                                                                             "properties": {}}]]}
-    one = chat(tools=TOOLS, parallel_tool_calls=False).sampling_params(None)
-    assert one["structured"] is None and one["stop"] == ["</tool_call>"]
+    one = chat(tools=TOOLS, parallel_tool_calls=False).to_sampling_params()
+    assert one.structured is None and one.stop == ["</tool_call>"]
     schema = {"type": "object", "properties": {"b": {"type": "string"}, "a": {"type": "integer"}}}
     fmt = chat(response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
-    assert json.loads(fmt.sampling_params(None)["structured"].value) == schema          # key order kept
+    assert json.loads(fmt.to_sampling_params().structured.value) == schema          # key order kept
     completion = CompletionRequest.model_validate({"model": "m", "prompt": "x",
                                                    "structured_outputs": {"choice": ["a", "b"]}})
-    assert completion.sampling_params(16)["structured"].kind == "choice"
+    assert completion.to_sampling_params(16).structured.kind == "choice"
 
 
 @pytest.mark.parametrize("kw, named", [
@@ -88,7 +88,7 @@ def test_request_fields_become_one_constraint():
 ])
 def test_bad_fields_are_errors_naming_them(kw, named):
     try:
-        chat(**kw).sampling_params(None)
+        chat(**kw).to_sampling_params()
     except (ValueError, ValidationError) as exc:
         assert named is not None and named in str(exc), str(exc)
     else:

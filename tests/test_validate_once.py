@@ -25,9 +25,9 @@ from workers.config import SamplingParams
 from workers.engine_process import start_engine
 
 # module -> the rule functions it calls (each rule is one function; its callers import it by name)
-RULES = {request_module: ("check_prompt", "check_token_ids", "check_fits"),
+RULES = {request_module: ("check_prompt", "check_token_ids", "check_fits", "room_to_generate"),
          tokenizer_module: ("check_prompt_chars",), engine_module: ("check_prompt_chars",),
-         llm_server: ("check_choices", "room_to_generate"), protocol: ("check_choices",)}
+         llm_server: ("check_choices",), protocol: ("check_choices",)}
 
 
 class Ingress(OpenAIIngress):
@@ -52,6 +52,7 @@ def replica(model_dir):
     handle = SimpleNamespace(render_choices=SimpleNamespace(remote=server.render_choices),
                              render_stream=SimpleNamespace(remote=server.render_stream))
     ingress._handle = lambda adapter, stream=False: handle
+    ingress.replica = server   # for the handle calls' edge
     yield ingress
     server.engine.close()
 
@@ -111,6 +112,16 @@ def test_a_completion_runs_each_rule_once(replica, counts):
                                                      "max_tokens": 4, "n": 2, "seed": 7})
     assert status == 200 and len(json.loads(body)["choices"]) == 2
     assert dict(counts) == ONCE   # n = 2: its choices share the request's checks
+
+
+def test_a_handle_calls_dict_is_built_into_sampling_params_once(replica, counts):
+    """The handle API's dict form (docs/serving.md): one SamplingParams, its max_tokens None resolved once."""
+    outs = asyncio.run(replica.replica.generate_choices(
+        messages=[{"role": "user", "content": "Hello there"}], sampling_params={"temperature": 0, "max_tokens": None},
+        n=2))
+    assert [out.finish_reason for out in outs] == ["length"] * 2   # the rest of the context: max_model_len reached
+    assert len(outs[0].prompt_token_ids) + len(outs[0].token_ids) == 256
+    assert dict(counts) == {**ONCE, "room_to_generate": 1}   # n = 2: its choices share the request's checks
 
 
 def test_a_refused_request_is_refused_by_its_rule(replica, counts):

@@ -1,6 +1,7 @@
 """The engine's configuration (frozen) and per-request sampling parameters."""
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 
@@ -138,7 +139,7 @@ class EngineConfig:
 
 @dataclass
 class SamplingParams:
-    max_tokens: int = 16
+    max_tokens: int | None = 16                 # None: the rest of the context (`resolved` once the prompt is known)
     temperature: float = 1.0                    # 0 = greedy
     top_k: int = -1                             # -1 / 0 = off
     top_p: float = 1.0
@@ -165,7 +166,7 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
@@ -213,7 +214,8 @@ class SamplingParams:
         number("min_p", 0.0, 1.0)
         count("top_logprobs", MAX_LOGPROBS)
         count("prompt_logprobs", MAX_LOGPROBS, allow_none=True)
-        count("min_tokens", self.max_tokens)
+        if self.max_tokens is not None:   # else when it is known (`resolved`)
+            self._check_min_tokens()
         bias = self.logit_bias or {}
         need(len(bias) <= MAX_LOGIT_BIAS, f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}")
         for token, value in bias.items():
@@ -221,3 +223,17 @@ class SamplingParams:
                  f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
             need(isinstance(value, (int, float)) and not isinstance(value, bool) and -100 <= value <= 100,
                  f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {token}")
+
+    def _check_min_tokens(self) -> None:
+        value = self.min_tokens
+        if not (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= self.max_tokens):
+            raise ValueError(f"min_tokens must be an integer in [0, {self.max_tokens}], got {value!r}")
+
+    def resolved(self, max_tokens: int) -> SamplingParams:
+        """These parameters with max_tokens None (the rest of the context) made `max_tokens`, once the prompt's
+        length is known (workers/request.build_request; vLLM's input processor does the same). A copy: the
+        caller's stay as given; the one rule that needed the number (min_tokens within it) runs now."""
+        params = copy.copy(self)
+        params.max_tokens = max_tokens
+        params._check_min_tokens()
+        return params

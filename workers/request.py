@@ -5,8 +5,10 @@ AsyncLLMEngine.make_request) and the synchronous Python API (LLMEngine.make_requ
 prompt (a text far too long for max_model_len refused before: check_prompt_chars) and calls
 `build_request`, which runs the other request rules of workers/limits.py once; the core (LLMEngine.add)
 trusts what it receives and checks only its own state (the adapter registered there, the id free).
-Sampling parameters validate themselves when built (workers/config.py), n / best_of with the request
-body or the handle call (deployments/choices.py), whose choices share the one request and its checks.
+Sampling parameters are one `SamplingParams` from the edge on (built from the request body, or once from a
+handle call's dict); they validate themselves when built (workers/config.py), and their max_tokens None (the
+rest of the context) is resolved here, where the prompt's length is known. n / best_of are checked with the
+request body or the handle call (deployments/choices.py), whose choices share the one request and its checks.
 The callers' side of an engine process loads this module: no torch here.
 """
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from workers.config import SamplingParams
-from workers.limits import check_fits, check_prompt, check_token_ids
+from workers.limits import check_fits, check_prompt, check_token_ids, room_to_generate
 
 
 @dataclass
@@ -31,5 +33,7 @@ def build_request(prompt, prompt_token_ids: list[int], params: SamplingParams, a
     check_prompt(prompt, prompt_token_ids)
     check_token_ids(prompt_token_ids, vocab_size, "prompt token ids")
     check_token_ids(params.logit_bias or {}, vocab_size, "logit_bias token ids")
+    if params.max_tokens is None:   # the rest of the context
+        params = params.resolved(room_to_generate(len(prompt_token_ids), max_model_len))
     check_fits(len(prompt_token_ids), params.max_tokens, max_model_len)
     return EngineRequest(request_id, list(prompt_token_ids), params, adapter)
