@@ -26,6 +26,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from deployments import protocol as oai
+from deployments import utility_requests as utility
 from deployments import responses as rs
 from deployments.adapter_registry import RegistryClient, RegistryView
 from deployments.config import LLMConfig
@@ -199,7 +200,7 @@ class OpenAIIngress:
     async def tokenize(self, request: Request) -> Response:
         """vLLM's: {count, max_model_len, tokens, token_strs} of a prompt or of chat messages."""
         try:
-            body = await self._read(request, oai.TokenizeRequest)
+            body = await self._read(request, utility.TokenizeRequest)
             messages = [{"role": m.role, "content": m.text()} for m in body.messages] if body.messages else None
             result = await self._handle(self._adapter_of(body.model)).tokenize.remote(
                 body.prompt, messages, body.add_special_tokens, body.add_generation_prompt, body.return_token_strs)
@@ -210,7 +211,7 @@ class OpenAIIngress:
     @app.post("/detokenize")
     async def detokenize(self, request: Request) -> Response:
         try:
-            body = await self._read(request, oai.DetokenizeRequest)
+            body = await self._read(request, utility.DetokenizeRequest)
             prompt = await self._handle(self._adapter_of(body.model)).detokenize.remote(body.tokens)
         except Exception as exc:  # noqa: BLE001
             return self._error(exc, request)
@@ -243,7 +244,7 @@ class OpenAIIngress:
     async def load_lora_adapter(self, request: Request) -> Response:
         try:
             self._check_hotload(request)
-            body = await read_body(request, oai.LoadLoRAAdapterRequest, self.max_request_bytes)
+            body = await read_body(request, utility.LoadLoRAAdapterRequest, self.max_request_bytes)
             name = check_adapter_name(body.lora_name, self.base_model)
             result = await self._handle(name).load_adapter.remote(name, body.lora_path, replace=body.replace)
         except Exception as exc:  # noqa: BLE001
@@ -254,7 +255,7 @@ class OpenAIIngress:
     async def unload_lora_adapter(self, request: Request) -> Response:
         try:
             self._check_hotload(request)
-            body = await read_body(request, oai.UnloadLoRAAdapterRequest, self.max_request_bytes)
+            body = await read_body(request, utility.UnloadLoRAAdapterRequest, self.max_request_bytes)
             result = await self._handle(None).unload_adapter.remote(body.lora_name)
         except Exception as exc:  # noqa: BLE001
             return self._error(exc, request)

@@ -15,6 +15,7 @@ from factories import make_adapter, read_json
 from pydantic import ValidationError
 
 from deployments import protocol as oai
+from deployments import utility_requests as utility
 from deployments.cli import config_from_args, parse_args
 from deployments.config import LLMConfig
 from deployments.errors import CallerErrorLogFilter, classify, error_body, message_of
@@ -260,7 +261,7 @@ def test_harmless_and_off_valued_fields_are_accepted():
         oai.ChatCompletionRequest.model_validate_json(json.dumps({
             "model": "m", "messages": [{"role": "user", "content": "", "tool_calls": [call]}]}))
     with pytest.raises(ValidationError, match="replace"):
-        oai.LoadLoRAAdapterRequest.model_validate_json('{"lora_name": "a", "lora_path": "/a", "replace": "yes"}')
+        utility.LoadLoRAAdapterRequest.model_validate_json('{"lora_name": "a", "lora_path": "/a", "replace": "yes"}')
 
 
 def test_server_failures_hide_their_details():
@@ -328,11 +329,11 @@ def test_adapter_roots_bound_hot_loads_not_the_configured_adapters(tmp_path):
     check_hotload_source("mine", "/anywhere", [], allow_hub=True)          # no roots: the engine checks the path
 
 
-@pytest.mark.parametrize("model, field, limit", [(oai.LoadLoRAAdapterRequest, "lora_path", 4096),
-                                                 (oai.LoadLoRAAdapterRequest, "lora_name", 1024),
-                                                 (oai.UnloadLoRAAdapterRequest, "lora_name", 1024)])
+@pytest.mark.parametrize("model, field, limit", [(utility.LoadLoRAAdapterRequest, "lora_path", 4096),
+                                                 (utility.LoadLoRAAdapterRequest, "lora_name", 1024),
+                                                 (utility.UnloadLoRAAdapterRequest, "lora_name", 1024)])
 def test_an_over_long_adapter_field_is_a_400_naming_the_field_and_the_limit(model, field, limit):
-    body = {"lora_name": "a", "lora_path": "/a"} if model is oai.LoadLoRAAdapterRequest else {"lora_name": "a"}
+    body = {"lora_name": "a", "lora_path": "/a"} if model is utility.LoadLoRAAdapterRequest else {"lora_name": "a"}
     body[field] = "/" + "x" * (1 << 20)                                    # 1 MB
     with pytest.raises(ValidationError) as info:
         model.model_validate_json(json.dumps(body))
