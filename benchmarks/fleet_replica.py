@@ -6,16 +6,16 @@ What it models, and where the rule comes from:
   `load_model`, `_model_cache_lock`): cold loads are serialised, `disk_load_s` each. The host cache is an LRU of
   `max_loaded_loras`; an adapter that running requests use is never evicted (lora/cache.py reference counts), nor
   here one that a waiting request needs (the engine would read it again at admission: a second cold load).
-- Admission (workers/controller.py `_admit`): waiting requests in arrival order; one whose adapter would be a
-  distinct adapter past `max_loras_per_batch` is skipped (not a stop); `max_num_seqs` and the step's token
-  budget (`max_num_batched_tokens`, decodes first, prefill chunks after) stop it. The budget's rotation among
-  waiting adapters (workers/lora_budget.py) and KV-block limits are not modelled.
-- A step: every running decode gives one token, prefill chunks fill the rest of the token budget; a prompt's
-  last chunk gives its first token. An adapter entering the step without a device slot (LRU of
-  `max_loras_per_batch` slots) is copied in first (`slot_load_s`). Its time is the calibrated linear cost
-  (StepCosts) plus the serving work of the tokens it gives (`per_token_s`: the replica's streaming, Serve's
-  handle, the ingress and the proxy, which share the replicas' cores on this machine), stretched when replicas
-  share cores (fleet_sim.py `Scenario.cores`: the real benchmark's size on this machine).
+- Admission (benchmarks/fleet_admission.py): the engine's own LoRABudget and admission order, driven as
+  workers/controller.py drives them: the budget rotates among waiting adapters by age, a holder paused for an
+  older waiter keeps its sequence place and sits the step out; `max_num_seqs` and the step's token budget
+  (`max_num_batched_tokens`, decodes first, prefill chunks after) stop admission. KV blocks are not modelled.
+- A step: every running decode that is not paused gives one token, prefill chunks fill the rest of the token
+  budget; a prompt's last chunk gives its first token. An adapter of the step without a device slot (LRU of
+  `max_loras_per_batch` slots; a paused adapter's may go to another) is copied in first (`slot_load_s`). Its
+  time is the calibrated linear cost (StepCosts) plus the serving work of the tokens it gives (`per_token_s`: the
+  replica's streaming, Serve's handle, the ingress and the proxy, which share the replicas' cores on this
+  machine), stretched when replicas share cores (fleet_sim.py `Scenario.cores`: the real benchmark's size here).
 - Prefetch (deployments/routing/prefetch.py, lora/cache.py `prefetch`): a home adapter's read into free room, or
   in place of the least recently used of the `victims` (adapters this replica is not the home of) that nothing
   holds; never in place of another.
@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+
+from benchmarks.fleet_admission import EngineQueues
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,17 @@ class SimRequest:
     routed_at: float = -1.0
     hit: bool = False            # its adapter was resident (host or device) on its replica when it arrived
     prefill_left: int = 0
+    decode_left: int = 0         # tokens still to give after the first
+    adapter_ref: str | None = None   # what workers/lora_budget.py reads of a sequence: set at admission
+    lora_skips: int = 0
+    # where its first token waited (benchmarks/fleet_waits.py): at its replica, in the engine's queue, admitted
+    reached_at: float = -1.0
+    queued_at: float = -1.0      # its adapter in host memory: in the engine's waiting queue
+    admitted_at: float = -1.0
+    queued_step: int = 0         # the engine's step count then
+    admitted_step: int = 0
+    budget_skips: int = 0        # steps it waited for room in the LoRA budget (lora_skips when admitted)
+    full_at_queue: bool = False  # it found the engine's `max_num_seqs` places taken
     first_token_at: float = -1.0
     finished_at: float = -1.0
     attempts: int = 0
@@ -74,28 +87,24 @@ class Replica:
         self.slots: OrderedDict[str, None] = OrderedDict()
         self.loading: deque[str] = deque()                  # cold loads, one at a time (Serve's lock)
         self.blocked: dict[str, list[SimRequest]] = {}      # adapter -> requests waiting on its load
-        self.waiting: deque[SimRequest] = deque()
-        self.prefilling: list[SimRequest] = []
-        self.decoding: int = 0
-        self.finishing: dict[int, list[SimRequest]] = {}    # step number -> requests whose last token it gives
-        self.uses: dict[str, int] = {}                      # adapter -> running requests (slot holders)
+        self.engine = EngineQueues(spec.max_num_seqs, spec.max_loras_per_batch)
+        self.uses: dict[str, int] = {}                      # adapter -> running requests, paused ones too
         self.queued: dict[str, int] = {}                    # adapter -> waiting requests
         self.in_flight = 0
-        self.step_no = 0
         self.busy = False                                   # a step is running
         self.cold_loads = 0
         self.steps = 0
         self.adapters_per_step = 0
 
     # ---- arrival and adapter loads ------------------------------------------------------------------------
-    def arrive(self, req: SimRequest) -> str | None:
+    def arrive(self, req: SimRequest, now: float) -> str | None:
         """Returns the adapter whose cold load must start now (the caller schedules `loaded`), else None."""
         self.in_flight += 1
-        req.replica = self.index
+        req.replica, req.reached_at = self.index, now
         req.hit = req.adapter in self.host
         if req.hit:
             self.host.move_to_end(req.adapter)
-            self._queue(req)
+            self._queue(req, now)
             return None
         first = req.adapter not in self.blocked
         self.blocked.setdefault(req.adapter, []).append(req)
@@ -122,18 +131,20 @@ class Replica:
         self.loading.append(adapter)
         return adapter if len(self.loading) == 1 else None
 
-    def loaded(self, adapter: str) -> str | None:
+    def loaded(self, adapter: str, now: float) -> str | None:
         """A cold load ended: the adapter is in host memory; returns the next load to start, if any."""
         assert self.loading[0] == adapter
         self.loading.popleft()
         self._evict_for_one()
         self.host[adapter] = None
         for req in self.blocked.pop(adapter):
-            self._queue(req)
+            self._queue(req, now)
         return self.loading[0] if self.loading else None
 
-    def _queue(self, req: SimRequest) -> None:
-        self.waiting.append(req)
+    def _queue(self, req: SimRequest, now: float) -> None:
+        req.queued_at, req.queued_step = now, self.engine.step_count
+        req.full_at_queue = len(self.engine.running) >= self.spec.max_num_seqs
+        self.engine.waiting.append(req)
         self.queued[req.adapter] = self.queued.get(req.adapter, 0) + 1
 
     def _evict_for_one(self) -> None:
@@ -151,26 +162,13 @@ class Replica:
 
     # ---- a step -------------------------------------------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.decoding)
+        return bool(self.engine.waiting or self.engine.running)
 
-    def start_step(self) -> float:
+    def start_step(self, now: float) -> float:
         """Schedule one step (admission, prefill chunks, slot loads); returns its duration."""
-        spec = self.spec
-        budget = spec.max_num_batched_tokens - self.decoding
-        prefill_tokens, chunks = 0, []
-        for req in self.prefilling:
-            if budget <= 0:
-                break
-            n = min(req.prefill_left, budget)
-            chunks.append((req, n))
-            budget -= n
-        running = self.decoding + len(self.prefilling)
-        skipped: deque[SimRequest] = deque()
-        while self.waiting and budget > 0 and running < spec.max_num_seqs:
-            req = self.waiting.popleft()
-            if req.adapter not in self.uses and len(self.uses) >= spec.max_loras_per_batch:
-                skipped.append(req)
-                continue
+        self._decodes, chunks, admitted = self.engine.schedule(self.spec.max_num_batched_tokens)
+        for req, _ in admitted:
+            req.admitted_at = now
             self.uses[req.adapter] = self.uses.get(req.adapter, 0) + 1
             left = self.queued[req.adapter] - 1
             if left:
@@ -178,49 +176,44 @@ class Replica:
             else:
                 del self.queued[req.adapter]
             self.host.move_to_end(req.adapter)
-            req.prefill_left = req.prompt_tokens
-            self.prefilling.append(req)
-            n = min(req.prompt_tokens, budget)
-            chunks.append((req, n))
-            budget -= n
-            running += 1
-        skipped.extend(self.waiting)
-        self.waiting = skipped
+        chunks += admitted
+        active = self.engine.active_adapters()
         slot_loads = 0
-        for adapter in self.uses:
+        for adapter in active:
             if adapter in self.slots:
                 self.slots.move_to_end(adapter)
                 continue
-            if len(self.slots) >= spec.max_loras_per_batch:
-                victim = next(a for a in self.slots if a not in self.uses)
+            if len(self.slots) >= self.spec.max_loras_per_batch:
+                victim = next(a for a in self.slots if a not in active)
                 del self.slots[victim]
             self.slots[adapter] = None
             slot_loads += 1
+        prefill_tokens = 0
         for req, n in chunks:
             req.prefill_left -= n
             prefill_tokens += n
         self._chunks = chunks
         self.busy = True
         self.steps += 1
-        self.adapters_per_step += len(self.uses)
-        tokens = self.decoding + sum(req.prefill_left == 0 for req, _ in chunks)
-        return self.costs.step_s(self.decoding + len(chunks), len(self.uses), prefill_tokens, slot_loads, tokens)
+        self.adapters_per_step += len(active)
+        tokens = len(self._decodes) + sum(req.prefill_left == 0 for req, _ in chunks)
+        return self.costs.step_s(len(self._decodes) + len(chunks), len(active), prefill_tokens, slot_loads, tokens)
 
     def end_step(self, now: float) -> list[SimRequest]:
-        """Tokens of the step: first tokens of finished prompts, decodes; returns the requests that ended."""
+        """Tokens of the step: decodes, first tokens of finished prompts; returns the requests that ended."""
         self.busy = False
-        self.step_no += 1
-        ended = self.finishing.pop(self.step_no, [])
-        self.decoding -= len(ended)
+        ended = []
+        for req in self._decodes:
+            req.decode_left -= 1
+            if not req.decode_left:
+                ended.append(req)
         for req, _ in self._chunks:
             if req.prefill_left == 0:
                 req.first_token_at = now
-                if req.output_tokens <= 1:
+                req.decode_left = req.output_tokens - 1
+                if req.decode_left <= 0:
                     ended.append(req)
-                else:
-                    self.decoding += 1
-                    self.finishing.setdefault(self.step_no + req.output_tokens - 1, []).append(req)
-        self.prefilling = [r for r in self.prefilling if r.prefill_left > 0]
+        self.engine.finish(ended)
         for req in ended:
             req.finished_at = now
             self.in_flight -= 1

@@ -1,15 +1,18 @@
 """A fleet simulation: 64 replicas x 10,000 adapters, our adapter-affinity routing against Serve's default.
 
-    .venv/bin/python -m benchmarks.fleet_sim [--phases steady-0.8,hotspot]
+    PYTHONHASHSEED=0 .venv/bin/python -m benchmarks.fleet_sim [--phases steady-0.8,hotspot]
+
+(The hash seed makes a run repeat exactly: Ray's router and the engine's LoRA budget break some ties in set order.)
 
 A discrete-event simulation in pure Python. The routers are the real classes, driven as Serve drives them
 (benchmarks/fleet_routers.py): ours is deployments.routing.policy.AffinityPolicy, which our Serve
 RequestRouter (deployments/routing/router.py) is a thin shell around; Serve's default is Ray 2.60's own
 PowerOfTwoChoicesRequestRouter. Replicas (benchmarks/fleet_replica.py) are modelled by their adapter loads,
-admission rule and step costs: 64 replicas of an accelerator-sized replica (NPU_COSTS: assumed, see there) x
-10,000 adapters, Zipf 0.8 / 1.0 / 1.2, drift and hot-spot phases, each also served as a single adapter (the TTFT
-p99 baseline). benchmarks/fleet_validate.py runs this simulation at the real fleet benchmark's size, against a
-recorded run of it.
+admission (the engine's own LoRABudget and admission order: benchmarks/fleet_admission.py) and step costs: 64
+replicas of an accelerator-sized replica (NPU_COSTS: assumed, see there) x 10,000 adapters, Zipf 0.8 / 1.0 / 1.2,
+drift and hot-spot phases, each also served as a single adapter (the TTFT p99 baseline).
+benchmarks/fleet_validate.py runs this simulation at the real fleet benchmark's size, against a recorded run of it;
+benchmarks/fleet_admission_ab.py takes the admission rule apart where the TTFT p99 bound is missed.
 Arrivals and lengths: the Azure LLM inference trace 2023 (benchmarks/fleet_workload.py, TRACE_CITATION).
 Writes results/fleet_sim.json and results/fleet_sim.md.
 """
@@ -20,13 +23,18 @@ import heapq
 import itertools
 import json
 import math
+import os
+import sys
 import time
 from dataclasses import asdict, dataclass, replace
 
 from benchmarks.common import RESULTS, machine_info, write_result
+from benchmarks.fleet_admission import MAX_WAIT_STEPS
 from benchmarks.fleet_cpu import SharedCpu
 from benchmarks.fleet_replica import Replica, ReplicaSpec, SimRequest, StepCosts
 from benchmarks.fleet_routers import AffinityRouting, ServeDefaultRouting
+from benchmarks.fleet_waits import markdown as waits_markdown
+from benchmarks.fleet_waits import ttft_waits
 from benchmarks.fleet_workload import TRACE_CITATION, Phase, adapter_names, make_workload
 
 TICK_S = 0.1           # load samples and Serve's replica-set broadcasts
@@ -138,7 +146,7 @@ class Simulation:
 
     def reach(self, replica: Replica, req: SimRequest) -> None:
         replica.in_flight -= 1
-        load = replica.arrive(req)
+        load = replica.arrive(req, self.now)
         if load is not None:
             self.start_load(replica, load)
         self.maybe_step(replica)
@@ -148,7 +156,7 @@ class Simulation:
         self.at(self.now + replica.costs.disk_load_s, self.loaded, replica, adapter)
 
     def loaded(self, replica: Replica, adapter: str) -> None:
-        following = replica.loaded(adapter)
+        following = replica.loaded(adapter, self.now)
         if following is not None:
             self.start_load(replica, following)
         self.maybe_step(replica)
@@ -156,7 +164,7 @@ class Simulation:
     def maybe_step(self, replica: Replica) -> None:
         if replica.busy or not replica.has_work():
             return
-        self.after(replica.start_step(), self.step_done, replica)
+        self.after(replica.start_step(self.now), self.step_done, replica)
 
     def step_done(self, replica: Replica) -> None:
         for req in replica.end_step(self.now):
@@ -168,10 +176,9 @@ def requests_for(scenario: Scenario, phase: Phase, seed: int, single_adapter: bo
     duration = scenario.warmup_s + scenario.duration_s
     if phase.name == "hotspot":
         phase = replace(phase, hotspot_at_s=scenario.warmup_s + phase.hotspot_at_s)
-    out = [SimRequest(r.at, "single" if single_adapter else r.adapter, r.prompt_tokens, r.output_tokens)
-           for r in make_workload(num_adapters=scenario.num_adapters, rate=scenario.rate, duration_s=duration,
-                                  phase=phase, seed=seed, **dict(scenario.lengths))]
-    return out
+    return [SimRequest(r.at, "single" if single_adapter else r.adapter, r.prompt_tokens, r.output_tokens)
+            for r in make_workload(num_adapters=scenario.num_adapters, rate=scenario.rate, duration_s=duration,
+                                   phase=phase, seed=seed, **dict(scenario.lengths))]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -210,6 +217,7 @@ def metrics(sim: Simulation, requests: list[SimRequest], phase: Phase) -> dict:
            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99), "tpot_p50_s": percentile(tpot, 50),
            "output_tok_s": tokens / sc.duration_s, "imbalance_p99": percentile(window_ratios(sim.samples, start, end), 99),
            "distinct_adapters_per_step": sum(r.adapters_per_step for r in sim.replicas) / max(1, steps)}
+    out["waits"] = ttft_waits(done, out["ttft_p99_s"], sim.replicas)
     if phase.name == "hotspot":
         at = start + phase.hotspot_at_s
         ramp = window_ratios(sim.samples, at - WINDOW_S / 2, at + phase.hotspot_ramp_s + WINDOW_S)
@@ -239,8 +247,10 @@ def run_fleet(costs: StepCosts, phases: list[str], seed: int) -> dict:
             result["single_adapter_ttft_p99_s"] = single["ttft_p99_s"]
             result["ttft_p99_over_single"] = result["ttft_p99_s"] / single["ttft_p99_s"]
             result["cpu_s"] += single["cpu_s"]
+            result["single_adapter_waits"] = single["waits"]
             rows[f"{name} {router}"] = result
-            print(name, router, json.dumps({k: round(v, 3) for k, v in result.items()}), flush=True)
+            print(name, router, json.dumps({k: round(v, 3) for k, v in result.items() if "waits" not in k}),
+                  flush=True)
     return rows
 
 
@@ -253,9 +263,10 @@ def markdown(result: dict) -> str:
             "ttft_p99_over_single", "tpot_p50_s", "output_tok_s", "imbalance_p99", "hotspot_max_over_mean",
             "distinct_adapters_per_step", "lost")
     lines = [f"### Fleet simulation: {FLEET_SCENARIO.replicas} replicas x {FLEET_SCENARIO.num_adapters:,} adapters",
-             "", "benchmarks/fleet_sim.py; arrivals and lengths: " + TRACE_CITATION + f", {FLEET_SCENARIO.rate:g} req/s, "
+             "", f"`{result.get('command', 'python -m benchmarks.fleet_sim')}`; arrivals and lengths: " + TRACE_CITATION + f", {FLEET_SCENARIO.rate:g} req/s, "
              f"{FLEET_SCENARIO.warmup_s:g} s warm-up then {FLEET_SCENARIO.duration_s:g} s measured per phase; "
-             "replica costs NPU_COSTS (assumed, fleet_sim.py), spec " + json.dumps(asdict(NPU_SPEC)) + ".", "",
+             "replica costs NPU_COSTS (assumed, fleet_sim.py), spec " + json.dumps(asdict(NPU_SPEC)) + "; admission: "
+             f"the engine's LoRABudget, lora_max_wait_steps {MAX_WAIT_STEPS} (fleet_admission.py).", "",
              "| phase / router | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for key, row in result["fleet"].items():
         cells = []
@@ -270,6 +281,7 @@ def markdown(result: dict) -> str:
         lines.append(f"| {key} | " + " | ".join(cells) + " |")
     lines += ["", "✗: misses the acceptance bound (hit rate >= 0.95, imbalance <= 1.2, <= 0.5 cold loads per replica "
               "per second, hot-spot max / mean <= 1.5, TTFT p99 <= 1.25x the same fleet serving one adapter)."]
+    lines += waits_markdown(result["fleet"])
     return "\n".join(lines) + "\n"
 
 
@@ -280,7 +292,8 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     started = time.process_time()
     result = {"what": __doc__.split("\n\n")[0], "trace": TRACE_CITATION, "scenario": asdict(FLEET_SCENARIO),
-              "npu_costs": asdict(NPU_COSTS)}
+              "npu_costs": asdict(NPU_COSTS), "command": " ".join([f"PYTHONHASHSEED={os.environ.get('PYTHONHASHSEED', '')}",
+              "python -m benchmarks.fleet_sim", *(argv if argv is not None else sys.argv[1:])])}
     result["fleet"] = run_fleet(NPU_COSTS, args.phases.split(","), args.seed)
     result["cpu_s"] = time.process_time() - started
     result["machine"] = machine_info()

@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from benchmarks.fleet_admission import MAX_WAIT_STEPS
 from benchmarks.fleet_cpu import SharedCpu
 from benchmarks.fleet_replica import Replica, ReplicaSpec, SimRequest, StepCosts
 from benchmarks.fleet_sim import Scenario, Simulation
@@ -77,12 +78,49 @@ def test_one_replica_at_low_load_ttft_is_load_plus_prefill_and_tpot_is_a_decode_
     assert (warm.finished_at - warm.first_token_at) / 4 == pytest.approx(decode)
 
 
-def test_a_request_outside_the_lora_budget_waits_for_the_holder_to_finish():
-    spec = ReplicaSpec(max_num_seqs=8, max_loras_per_batch=1, max_loaded_loras=4, max_num_batched_tokens=64,
+def step_alone(spec: ReplicaSpec, requests: list[SimRequest]) -> tuple[Replica, list[dict]]:
+    """One replica, its adapters in host memory, stepped until empty; steps take one unit of time each. Returns
+    it and, per step: the adapters paused, the requests given a token, the running requests."""
+    replica = Replica(0, spec, COSTS)
+    replica.host.update(dict.fromkeys(r.adapter for r in requests))
+    for req in requests:
+        assert replica.arrive(req, 0.0) is None
+    steps = []
+    while replica.has_work():
+        replica.start_step(float(len(steps)))
+        assert len(replica.engine.active_adapters()) <= spec.max_loras_per_batch
+        steps.append({"paused": {r.adapter for r in replica.engine.running if replica.engine.budget.is_paused(r)},
+                      "tokens": replica._decodes + [r for r, _ in replica._chunks if r.prefill_left == 0],
+                      "running": len(replica.engine.running)})
+        replica.end_step(float(len(steps)))
+    assert replica.in_flight == 0 and not replica.uses and not replica.queued and not replica.engine.running
+    return replica, steps
+
+
+def test_a_third_adapter_over_a_budget_of_two_starts_within_the_rotation_bound_and_nothing_is_lost():
+    """The engine's LoRABudget admits (fleet_admission.py): the third adapter waits max_wait_steps, then takes the
+    place of the holder that entered last, which sits out; first come first served would keep it waiting for a
+    whole 40-token generation (its first token at step 41)."""
+    requests = [SimRequest(0.0, f"a{i}", 8, 40) for i in range(3)]
+    _, steps = step_alone(SPEC, requests)   # a budget of 2 adapters
+    assert requests[2].first_token_at <= 2 * MAX_WAIT_STEPS + 1
+    assert any(step["paused"] for step in steps)
+    tokens = [req for step in steps for req in step["tokens"]]
+    assert all(tokens.count(r) == r.output_tokens and r.finished_at >= 0 for r in requests)   # every token once
+
+
+def test_a_paused_holder_keeps_its_place_and_gives_no_tokens():
+    """Two places, a budget of one adapter: the rotation pauses a holder for the waiter; the paused one keeps its
+    place (a third adapter starts only when a request ends) and gives no token while paused."""
+    spec = ReplicaSpec(max_num_seqs=2, max_loras_per_batch=1, max_loaded_loras=4, max_num_batched_tokens=64,
                        max_ongoing_requests=16)
-    first, second = SimRequest(0.0, "a0", 8, 10), SimRequest(0.0, "a1", 8, 10)
-    run(1, [first, second], spec=spec)
-    assert second.first_token_at > first.finished_at
+    requests = [SimRequest(0.0, f"a{i}", 8, 30) for i in range(3)]
+    _, steps = step_alone(spec, requests)
+    assert any(step["paused"] for step in steps)
+    for step in steps:
+        assert step["running"] <= spec.max_num_seqs
+        assert not {r.adapter for r in step["tokens"]} & step["paused"]
+    assert requests[2].admitted_at >= min(requests[0].finished_at, requests[1].finished_at)
 
 
 def test_the_token_budget_chunks_a_long_prompt():
@@ -128,7 +166,7 @@ def test_prefetch_makes_room_only_from_its_victims():
     replica.host.update(dict.fromkeys(["a", "b"]))
     assert replica.prefetch("c", frozenset({"x"})) is None and list(replica.host) == ["a", "b"]
     assert replica.prefetch("c", frozenset({"b"})) == "c" and list(replica.host) == ["a"]
-    replica.loaded("c")
+    replica.loaded("c", 0.0)
     assert list(replica.host) == ["a", "c"]
 
 
