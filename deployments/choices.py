@@ -27,6 +27,11 @@ def check_choices(n: int, best_of: int | None = None, stream: bool = False) -> N
         raise ValueError("best_of > n cannot be streamed (the best ones are known only at the end)")
 
 
+def ranks(n: int, best_of: int | None) -> bool:
+    """Whether the choices are ranked by their cumulative logprob (`best`), so the engine must compute them."""
+    return best_of is not None and best_of > n
+
+
 def choice(request: EngineRequest, index: int, count: int) -> EngineRequest:
     """Choice `index` of `count`: the request as validated, its own id and seed (nothing is checked again)."""
     if count == 1:

@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator
 from ray import serve
 
 from deployments.adapter_mirror import AdapterMirror
-from deployments.choices import best, check_choices, choice, merge
+from deployments.choices import best, check_choices, choice, merge, ranks
 from deployments.adapter_registry import RegistryClient
 from deployments.config import LLMConfig
 from deployments.errors import quiet_caller_errors
@@ -108,6 +108,8 @@ class LLMServer(ReplicaAdapters):
         by the chat template (workers/tokenizer.render_chat)."""
         check_choices(n, best_of)
         params = handle_params(sampling_params, chat=messages is not None)
+        if ranks(n, best_of) and not params.logprobs:
+            raise ValueError(f"best_of ({best_of}) > n ranks the choices by their logprobs: logprobs cannot be False")
         return await self._choices(prompt, params, messages, request_id, n, best_of, echo, names, tools,
                                    chat_template_kwargs)
 
@@ -122,7 +124,7 @@ class LLMServer(ReplicaAdapters):
         except BaseExceptionGroup as failed:   # the caller gets the error itself (its 4xx / 5xx class)
             raise failed.exceptions[0] from None
         outs = [task.result() for task in tasks]
-        outs = best(outs, n) if count > n else outs
+        outs = best(outs, n) if ranks(n, best_of) else outs
         for index, out in enumerate(outs):
             self._describe(out, index, prompt if echo else None, names)
         return outs

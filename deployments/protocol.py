@@ -15,7 +15,7 @@ from pydantic import ConfigDict, Field, create_model, model_validator
 
 from deployments.structured import (MessageToolCall, NamedToolChoice, ResponseFormat, StructuredOutputs, Tool,
                                     constraint)
-from deployments.choices import MAX_CHOICES, check_choices
+from deployments.choices import MAX_CHOICES, check_choices, ranks
 from deployments.strict import StrictModel, shown
 from deployments.tool_calls import END as TOOL_CALL_END
 from workers.config import MAX_LOGPROBS, SamplingParams
@@ -94,9 +94,11 @@ class OpenAIRequest(SamplingFields):
     def to_sampling_params(self, default_max_tokens: int | None = None) -> SamplingParams:
         """The body's sampling parameters in the one form they keep from here to the engine's sequence (built,
         so checked, once: workers/config.py). max_tokens None: the rest of the context, resolved where the
-        prompt's length is known (workers/request.py)."""
+        prompt's length is known (workers/request.py). Logprobs are computed only where the answer shows them or
+        best_of ranks by them (a logsumexp over the vocabulary a step otherwise)."""
         return SamplingParams(**{name: getattr(self, name) for name in SAMPLING_FIELDS if name != "stop"},
                               stop=self._stop(), structured=self.constraint(), logit_bias=self._token_bias(),
+                              logprobs=self.wants_logprobs or ranks(self.n, getattr(self, "best_of", None)),
                               max_tokens=self._max_tokens(default_max_tokens), top_logprobs=self.num_top_logprobs,
                               prompt_logprobs=self._prompt_logprobs())
 

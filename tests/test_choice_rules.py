@@ -29,5 +29,7 @@ def test_http_and_handle_share_them():
         asyncio.run(LLMServer.generate_choices(None, "x", n=MAX_CHOICES + 1))
     with pytest.raises(ValueError, match=r"best_of \(2\) must be >= n \(3\)"):
         asyncio.run(LLMServer.generate_choices(None, "x", n=3, best_of=2))
+    with pytest.raises(ValueError, match=r"best_of \(3\) > n ranks the choices by their logprobs"):
+        asyncio.run(LLMServer.generate_choices(None, "x", {"logprobs": False}, n=2, best_of=3))
     with pytest.raises(ValueError, match="n must be an integer"):
         asyncio.run(anext(LLMServer.generate_stream(None, "x", n=0)))

@@ -77,6 +77,17 @@ def test_openai_requests_refuse_what_they_cannot_honour():
         oai.ChatMessage(role="user", content=[{"type": "image_url", "image_url": {}}]).text()
 
 
+def test_logprobs_computed_only_when_the_answer_needs_them():
+    """A served request that shows no logprobs and ranks nothing asks the engine for none (a logsumexp over the
+    vocabulary per step saved); logprobs asked, or best_of > n ranking by them, turn them on."""
+    chat = lambda **kw: oai.ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], **kw)
+    completion = lambda **kw: oai.CompletionRequest(model="m", prompt="x", **kw)
+    assert not chat().to_sampling_params().logprobs and not completion().to_sampling_params().logprobs
+    assert chat(logprobs=True).to_sampling_params().logprobs and completion(logprobs=0).to_sampling_params().logprobs
+    assert completion(n=2, best_of=3).to_sampling_params().logprobs
+    assert not completion(n=2, best_of=2).to_sampling_params().logprobs
+
+
 @pytest.mark.parametrize("exc, status", [
     (AdapterNotFoundError("adapter 'x' is not loaded"), 404), (ModelNotFoundError("m"), 404),
     (AdapterRankError("adapter 'x': rank 16 > max_lora_rank 8"), 400), (ValueError("max_tokens"), 400),
