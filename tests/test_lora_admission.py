@@ -110,3 +110,21 @@ def test_no_pause_for_a_request_that_cannot_start(model, adapters):
     assert finished_at[b] <= 24 and engine.controller.budget.num_pauses == 0   # B ran every step
     assert done[b] == solo.generate(PROMPTS[3], tokens(24), adapters=["B"])[0].token_ids
     assert done[c] == solo.generate(PROMPTS[5], tokens(24), adapters=["C"])[0].token_ids
+
+
+def test_a_busy_adapters_queue_does_not_starve_one_with_room_in_the_budget(model, adapters):
+    """Two places, a budget of 2: A sends a request every step, B one at step 3. B's adapter has room all along, so
+    it waits only for the places of the A requests that arrived before it (arrival order), not for A's queue to
+    empty (60 steps of arrivals)."""
+    engine = engine_with(model, adapters, max_loras_per_batch=2, max_num_seqs=2)
+    b_id, first_b = None, None
+    for step in range(400):
+        if step < 60:
+            engine.add_request(PROMPTS[step % 4], tokens(6), adapter="A")
+        if step == 3:
+            b_id = engine.add_request(PROMPTS[1], tokens(6), adapter="B")
+        if any(out.request_id == b_id for out in engine.step()) and first_b is None:
+            first_b = step
+        if not engine.has_unfinished():
+            break
+    assert first_b is not None and first_b <= 3 + 3 * 8, first_b   # 3 A requests before it, ~7 steps each

@@ -10,9 +10,8 @@ so a prompt in progress never waits for blocks. The LoRA budget
 model needs none) rotates among adapters by age (workers/lora_budget.py):
 room goes to the adapter that has waited longest, and one that has waited
 `lora_max_wait_steps` steps takes the place of the adapter that entered it
-last, whose sequences pause (keeping their KV) until their turn; requests of
-the base model and of running adapters are admitted in arrival order, the
-others' after them, oldest adapter first. When decode runs out of KV blocks the youngest
+last, whose sequences pause (keeping their KV) until their turn; waiting
+requests are admitted in arrival order, each whose adapter has room. When decode runs out of KV blocks the youngest
 sequence is preempted; it is recomputed later from its prompt and
 the tokens it already has (its blocks stay cached, so mostly hits). A step's
 choice is a `Batch`; workers/plan.py turns it into the StepPlan.
@@ -21,7 +20,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Iterator
 
 from lora.errors import AdapterError
 from lora.ref import AdapterRef
@@ -125,20 +123,13 @@ class Controller:
         self.budget.count_skips((*self.waiting, *paused), holders, self._lora_id)
         return admitted
 
-    def _admission_order(self) -> Iterator[Sequence]:
-        """Waiting requests in the order admission tries them: the base model's and those of adapters that run,
-        in arrival order, then the other adapters' (those the rotation gave room first: the same order)."""
-        running = {s.adapter_ref for s in self.running if s.adapter and not self.budget.is_paused(s)}
-        later: dict[AdapterRef | str, list[Sequence]] = {}
-        for seq in list(self.waiting):
-            lora = self._lora_id(seq)
-            if lora is None or lora in running:
-                yield seq
-            else:
-                later.setdefault(lora, []).append(seq)
-        # oldest first, then the most waiting requests; ties keep arrival order (dicts keep insertion order)
-        for name in sorted(later, key=lambda k: (max(s.lora_skips for s in later[k]), len(later[k])), reverse=True):
-            yield from later[name]
+    def _admission_order(self) -> list[Sequence]:
+        """Waiting requests in the order admission tries them: arrival order, as vLLM's scheduler, each skipped
+        while its adapter has no room. Which adapters have room the budget's rotation chose at the step's start,
+        oldest first; a free place goes to the oldest request that fits. (Trying the running adapters' requests
+        first starved the others: while a busy adapter kept a queue, a request of an adapter with room in the
+        budget waited for places without end, its wait counted nowhere.)"""
+        return list(self.waiting)
 
     def _start(self, seq: Sequence, budget: int) -> int | None:
         """Admit `seq`: adapter reference, cached prefix, blocks. Returns its first chunk's size, 0 when its
