@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import shutil
+import sys
 import statistics
 import tempfile
 import time
@@ -205,6 +206,21 @@ def write_result(name: str, data: dict, out_dir: Path = RESULTS) -> Path:
     path = out_dir / f"{name}.json"
     path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
     return path
+
+
+def command(module: str, argv) -> str:
+    """How to re-run this result: the hash seed too (Ray's router and the LoRA budget break ties in set order)."""
+    return " ".join([f"PYTHONHASHSEED={os.environ.get('PYTHONHASHSEED', '')}", f"python -m {module}",
+                     *(argv if argv is not None else sys.argv[1:])])
+
+
+def record(name: str, result: dict, started: float, markdown) -> dict:
+    """results/<name>.json and .md, with the CPU time since `started` and the machine."""
+    result["cpu_s"] = time.process_time() - started
+    result["machine"] = machine_info()
+    print(write_result(name, result))
+    (RESULTS / f"{name}.md").write_text(markdown(result))
+    return result
 
 
 def sizes_dict(sizes: Sizes) -> dict:

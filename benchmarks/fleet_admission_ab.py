@@ -26,12 +26,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import sys
 import time
 
-from benchmarks.common import RESULTS, machine_info, write_result
 from benchmarks.fleet_admission import MAX_WAIT_STEPS, EngineQueues
+from benchmarks.common import command, record
 from benchmarks.fleet_sim import FLEET_SCENARIO, NPU_COSTS, PHASES, Simulation, metrics, requests_for
 
 NEVER = 10 ** 9
@@ -106,9 +104,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     started = time.process_time()
     result = {"what": __doc__.split("\n\n")[0], "cases": {},
-              "command": " ".join([f"PYTHONHASHSEED={os.environ.get('PYTHONHASHSEED', '')}",
-                                   "python -m benchmarks.fleet_admission_ab",
-                                   *(argv if argv is not None else sys.argv[1:])])}
+              "command": command("benchmarks.fleet_admission_ab", argv)}
     for case in args.cases.split(","):
         phase, router = case.split(":")
         singles = {}   # one adapter: budget and order do not matter, its step cost does
@@ -121,12 +117,7 @@ def main(argv=None) -> dict:
             got["variants"][variant] = summary(run(phase, router, variant), singles[costs])
             print(case, variant, json.dumps({k: round(v, 3) for k, v in got["variants"][variant].items()}),
                   flush=True)
-    result["cpu_s"] = time.process_time() - started
-    result["machine"] = machine_info()
-    print(write_result("fleet_sim_admission", result))
-    (RESULTS / "fleet_sim_admission.md").write_text(markdown(result))
-    return result
-
+    return record("fleet_sim_admission", result, started, markdown)
 
 if __name__ == "__main__":
     main()

@@ -23,12 +23,10 @@ import heapq
 import itertools
 import json
 import math
-import os
-import sys
 import time
 from dataclasses import asdict, dataclass, replace
 
-from benchmarks.common import RESULTS, machine_info, write_result
+from benchmarks.common import command, record
 from benchmarks.fleet_admission import MAX_WAIT_STEPS
 from benchmarks.fleet_cpu import SharedCpu
 from benchmarks.fleet_replica import Replica, ReplicaSpec, SimRequest, StepCosts
@@ -292,14 +290,9 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     started = time.process_time()
     result = {"what": __doc__.split("\n\n")[0], "trace": TRACE_CITATION, "scenario": asdict(FLEET_SCENARIO),
-              "npu_costs": asdict(NPU_COSTS), "command": " ".join([f"PYTHONHASHSEED={os.environ.get('PYTHONHASHSEED', '')}",
-              "python -m benchmarks.fleet_sim", *(argv if argv is not None else sys.argv[1:])])}
+              "npu_costs": asdict(NPU_COSTS), "command": command("benchmarks.fleet_sim", argv)}
     result["fleet"] = run_fleet(NPU_COSTS, args.phases.split(","), args.seed)
-    result["cpu_s"] = time.process_time() - started
-    result["machine"] = machine_info()
-    print(write_result("fleet_sim", result))
-    (RESULTS / "fleet_sim.md").write_text(markdown(result))
-    return result
+    return record("fleet_sim", result, started, markdown)
 
 
 if __name__ == "__main__":
