@@ -6,8 +6,8 @@ import json
 import os
 import platform
 import shutil
-import sys
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Iterator

@@ -123,9 +123,7 @@ def run_job(system: str, spec: dict, log=print) -> dict:
             env, cwd = vllm_env(spec["threads"], log), tmp
         else:
             cmd = [sys.executable, "-m", "benchmarks.peer_vllm", "--worker", str(spec_path), str(out_path)]
-            # glibc's malloc on huge pages, as every engine process of ours starts (workers/engine_process.py):
-            # 14-19 % of a batch-1 bf16 step at 1 thread; vLLM gets its own best, tcmalloc (vllm_env)
-            env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+            env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",   # as our engine process
                        GLIBC_TUNABLES=os.environ.get("GLIBC_TUNABLES", MALLOC_TUNABLES))
             cwd = str(ROOT)
         done = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=1800)

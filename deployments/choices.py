@@ -11,6 +11,7 @@ import copy
 import dataclasses
 from typing import AsyncIterator
 
+from workers.config import SamplingParams
 from workers.request import EngineRequest
 
 MAX_CHOICES = 16   # n, best_of: each choice is a sequence of its own
@@ -30,6 +31,22 @@ def check_choices(n: int, best_of: int | None = None, stream: bool = False) -> N
 def ranks(n: int, best_of: int | None) -> bool:
     """Whether the choices are ranked by their cumulative logprob (`best`), so the engine must compute them."""
     return best_of is not None and best_of > n
+
+
+def handle_call(sampling_params: SamplingParams | dict | None, chat: bool, n: int, best_of: int | None = None,
+                stream: bool = False) -> SamplingParams:
+    """A handle call's choices checked and its sampling parameters in the one form they keep to the engine: a
+    SamplingParams as given, or (the handle API's other form, docs/serving.md) its keyword arguments, None meaning
+    the default, built once. A chat's max_tokens defaults to the rest of the context, as on the chat route."""
+    check_choices(n, best_of, stream)
+    if isinstance(sampling_params, SamplingParams):
+        params = sampling_params
+    else:
+        kwargs = {name: value for name, value in (sampling_params or {}).items() if value is not None}
+        params = SamplingParams(**({"max_tokens": None} if chat else {}) | kwargs)
+    if ranks(n, best_of) and not params.logprobs:
+        raise ValueError(f"best_of ({best_of}) > n ranks the choices by their logprobs: logprobs cannot be False")
+    return params
 
 
 def choice(request: EngineRequest, index: int, count: int) -> EngineRequest:

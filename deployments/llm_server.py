@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator
 from ray import serve
 
 from deployments.adapter_mirror import AdapterMirror
-from deployments.choices import best, check_choices, choice, merge, ranks
+from deployments.choices import best, choice, handle_call, merge, ranks
 from deployments.adapter_registry import RegistryClient
 from deployments.config import LLMConfig
 from deployments.errors import quiet_caller_errors
@@ -92,7 +92,7 @@ class LLMServer(ReplicaAdapters):
     async def generate(self, prompt: Prompt | None = None, sampling_params: SamplingParams | dict | None = None,
                        *, messages: list[dict] | None = None, request_id: str | None = None) -> ServedOutput:
         """The finished output (cumulative). The adapter is the call's `multiplexed_model_id`; `sampling_params`
-        a SamplingParams, or its keyword arguments (`handle_params`)."""
+        a SamplingParams, or its keyword arguments (deployments/choices.py `handle_call`)."""
         [out] = await self.generate_choices(prompt, sampling_params, messages=messages, request_id=request_id)
         return out
 
@@ -106,10 +106,7 @@ class LLMServer(ReplicaAdapters):
         cumulative logprob returned. `echo`: each carries the prompt's text (`prompt_text`); `names`: the text
         and bytes of every token it names (`token_names`, for logprobs); `tools`, `chat_template_kwargs`: rendered
         by the chat template (workers/tokenizer.render_chat)."""
-        check_choices(n, best_of)
-        params = handle_params(sampling_params, chat=messages is not None)
-        if ranks(n, best_of) and not params.logprobs:
-            raise ValueError(f"best_of ({best_of}) > n ranks the choices by their logprobs: logprobs cannot be False")
+        params = handle_call(sampling_params, messages is not None, n, best_of)
         return await self._choices(prompt, params, messages, request_id, n, best_of, echo, names, tools,
                                    chat_template_kwargs)
 
@@ -141,8 +138,7 @@ class LLMServer(ReplicaAdapters):
         Text is held back while it may still change: a trailing partial UTF-8
         character, or a possible start of a stop string.
         """
-        check_choices(n, stream=True)
-        params = handle_params(sampling_params, chat=messages is not None)
+        params = handle_call(sampling_params, messages is not None, n, stream=True)
         async with aclosing(self._stream(prompt, params, messages, request_id, n, echo, names, tools,
                                          chat_template_kwargs)) as items:
             async for item in items:
@@ -322,16 +318,6 @@ class LLMServer(ReplicaAdapters):
                     pass
         if hasattr(self, "engine"):
             await asyncio.to_thread(self.engine.close)
-
-
-def handle_params(sampling_params: SamplingParams | dict | None, chat: bool) -> SamplingParams:
-    """A handle call's sampling parameters as the one form they keep to the engine: a SamplingParams as given, or
-    (the handle API's other form, docs/serving.md) its keyword arguments, None meaning the default, built once. A
-    chat's max_tokens defaults to the rest of the context, as on the chat route."""
-    if isinstance(sampling_params, SamplingParams):
-        return sampling_params
-    kwargs = {name: value for name, value in (sampling_params or {}).items() if value is not None}
-    return SamplingParams(**({"max_tokens": None} if chat else {}) | kwargs)
 
 
 def _start_engine(config: LLMConfig) -> AsyncLLMEngine:

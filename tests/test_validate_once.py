@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 from starlette.requests import Request
 
-import deployments.llm_server as llm_server
+import deployments.choices as choices
 import deployments.protocol as protocol
 import workers.engine as engine_module
 import workers.request as request_module
@@ -27,7 +27,7 @@ from workers.engine_process import start_engine
 # module -> the rule functions it calls (each rule is one function; its callers import it by name)
 RULES = {request_module: ("check_prompt", "check_token_ids", "check_fits", "room_to_generate"),
          tokenizer_module: ("check_prompt_chars",), engine_module: ("check_prompt_chars",),
-         llm_server: ("check_choices",), protocol: ("check_choices",)}
+         choices: ("check_choices",), protocol: ("check_choices",)}
 
 
 class Ingress(OpenAIIngress):
