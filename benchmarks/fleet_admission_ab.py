@@ -13,9 +13,9 @@ a time, so what each part costs the TTFT tail is read off side by side:
   whose adapter has no room);
 - "budget 64": the engine's rule with `max_loras_per_batch` 64 instead of NPU_SPEC's 32;
 - "adapter 0.05 ms": the engine's rule with `per_adapter_s` 0.05 ms a distinct adapter a step instead of
-  NPU_COSTS' 0.5 ms: the time to read a rank-16, seven-projection 8B adapter (88.6 MB) once from ~1.6 TB/s of
-  device memory, what a grouped LoRA kernel (one launch for every adapter of the step) costs; 0.5 ms is nearer a
-  launch per adapter, projection and layer (7 x 2 x 32 = 448 small GEMMs at ~1 us).
+  NPU_COSTS' (0.2 ms; 0.5 ms when results/fleet_sim_admission.md was recorded): the time to read a rank-16,
+  seven-projection 8B adapter (88.6 MB) once from ~1.6 TB/s of device memory (benchmarks/fleet_costs.py runs
+  the whole range).
 The last two are what-ifs on the assumed replica, not changes to it.
 Each against the same fleet serving one adapter at the same costs (the bound's baseline: budget and order
 do not matter there).
