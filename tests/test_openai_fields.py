@@ -16,60 +16,17 @@ import importlib.metadata
 import json
 
 import jsonschema
-import openai
 import pytest
 import requests
 import torch
 
 from deployments.render import RenderSpec
 from workers.config import SamplingParams
-from factories import PROMPTS, make_adapter, thinking_model
-from serve_fixtures import wait_until
+from factories import PROMPTS
+from fields_app import ANSWER, BASE, FIRST_MODELS, MAX_MODEL_LEN, client, files, hf, scripted, url  # noqa: F401 (fixtures)
 from sse import events
 
-APP, BASE = "fields", "tiny"
-MAX_MODEL_LEN = 1024
-
-
-@pytest.fixture(scope="module")
-def files(model_dir, tmp_path_factory):
-    # room for a prompt with tools (the template's tool instructions) and a scripted thinking answer after it
-    model = thinking_model(model_dir("qwen3", max_position_embeddings=MAX_MODEL_LEN),
-                           tmp_path_factory.mktemp("fields") / "qwen3")
-    return {"model": model, "a": make_adapter(model, tmp_path_factory.mktemp("fields") / "a", r=8, seed=4)}
-
-
-FIRST_MODELS: list[dict] = []   # the app's first answer to GET /v1/models
-
-
-@pytest.fixture(scope="module")
-def url(files, shared_serve):
-    from ray import serve
-
-    from deployments.app import build_app
-
-    # stream_batch_interval_ms: a 20 ms window (10 by default) for the stream that crosses Ray in batches, below
-    app = build_app(dict(model=str(files["model"]), served_model_name=BASE, adapters={"a": str(files["a"])},
-                         device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN, max_lora_rank=8, num_replicas=1,
-                         stream_batch_interval_ms=20, reasoning_parser="qwen3"))
-    # not waiting for the app to be RUNNING, as `loraserve serve`'s port is open before: the first answer counts
-    serve.run_many([serve.RunTarget(app, name=APP, route_prefix="/")], wait_for_applications_running=False)
-
-    def models():
-        response = requests.get(f"{shared_serve}/v1/models", timeout=60)
-        return response.json() if response.status_code == 200 else None
-
-    FIRST_MODELS.append(wait_until(models, 180, "the app's first answer", interval=0.02))
-    return shared_serve
-
-
-@pytest.fixture(scope="module")
-def hf(files, hf_model):
-    return hf_model(files["model"])
-
-
-def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+APP = "fields"
 
 
 def post(url: str, path: str, body: dict) -> dict:
@@ -240,7 +197,7 @@ def test_end_to_end_stream_crosses_ray_in_fewer_items_than_events(url):
 
 
 def test_ready_only_with_the_configured_adapters_listed_and_version(url):
-    assert [card["id"] for card in FIRST_MODELS[0]["data"]] == [BASE, "a"]
+    assert [card["id"] for card in FIRST_MODELS[APP]["data"]] == [BASE, "a"]
     assert requests.get(f"{url}/version", timeout=60).json() == {"version": importlib.metadata.version("loraserve")}
 
 
@@ -304,19 +261,6 @@ def test_every_caller_error_is_a_400_with_openais_body(url, path, body, param):
     assert set(error) == {"message", "type", "code", "param"} and error["param"] == param
 
 
-ANSWER = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
-          "additionalProperties": False}
-
-
-def scripted(tokenizer) -> dict:
-    """Greedy sampling that thinks "ox" a few times, then writes </think>: "ox" leads by 10 until the frequency
-    penalty (2 per use) brings it under </think>, which leads every other token by ~20; after </think> a
-    request's grammar, where it has one, leaves only its own tokens."""
-    ox, end = tokenizer.encode(" fox")[-1], tokenizer.convert_tokens_to_ids("</think>")
-    return dict(model=BASE, messages=[{"role": "user", "content": "Hi"}], temperature=0, max_tokens=40,
-                logit_bias={str(ox): 30, str(end): 20}, frequency_penalty=2.0)
-
-
 def test_reasoning_parser_splits_the_thinking_and_the_grammar_waits_for_its_end(url, hf):
     _, tokenizer = hf
     args = scripted(tokenizer)
@@ -344,85 +288,3 @@ def test_reasoning_parser_splits_the_thinking_and_the_grammar_waits_for_its_end(
     [call] = called.message.tool_calls
     assert call.function.name == "report"
     jsonschema.validate(json.loads(call.function.arguments), ANSWER)
-
-
-def responses_args(tokenizer, **extra) -> dict:
-    """scripted()'s request on /v1/responses: the same thinking, then the answer (vLLM's logit_bias extension;
-    frequency_penalty as in chat completions)."""
-    args = scripted(tokenizer)
-    return dict(model=args["model"], input="Hi", temperature=0, max_output_tokens=args["max_tokens"],
-                extra_body={"logit_bias": args["logit_bias"], "frequency_penalty": args["frequency_penalty"]}, **extra)
-
-
-def test_responses_create_is_the_chat_completion_with_its_reasoning_item(url, hf):
-    _, tokenizer = hf
-    chat = client(url).chat.completions.create(**scripted(tokenizer))
-    response = client(url).responses.create(**responses_args(tokenizer))
-    reasoning, message = response.output
-    assert reasoning.type == "reasoning" and reasoning.content[0].text == chat.choices[0].message.reasoning_content
-    assert message.type == "message" and response.output_text == chat.choices[0].message.content
-    assert (response.usage.input_tokens, response.usage.output_tokens) == (chat.usage.prompt_tokens,
-                                                                           chat.usage.completion_tokens)
-    assert response.object == "response" and response.model == BASE and response.temperature == 0
-
-
-def test_responses_stream_events_join_to_the_final_text_in_the_json_schema(url, hf):
-    _, tokenizer = hf
-    text = {"format": {"type": "json_schema", "name": "answer", "schema": ANSWER}}
-    whole = client(url).responses.create(**responses_args(tokenizer), text=text)
-    with client(url).responses.stream(**responses_args(tokenizer), text=text) as stream:
-        events = list(stream)
-        final = stream.get_final_response()
-    kinds = [event.type for event in events]
-    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
-    assert kinds[-1] == "response.completed" and final.status == "completed"
-    assert [event.sequence_number for event in events] == list(range(len(events)))
-    deltas = "".join(event.delta for event in events if event.type == "response.output_text.delta")
-    reasoning = "".join(event.delta for event in events if event.type == "response.reasoning_text.delta")
-    assert deltas == final.output_text == whole.output_text and reasoning == whole.output[0].content[0].text
-    jsonschema.validate(json.loads(final.output_text), ANSWER)   # text.format holds after the thinking
-
-
-REPORT = {"type": "function", "name": "report", "description": "Report the answer.", "parameters": ANSWER}
-
-
-def test_responses_required_function_call_streamed_then_its_output_turn(url, hf):
-    _, tokenizer = hf
-    args = responses_args(tokenizer, tools=[REPORT], tool_choice="required")
-    events = list(client(url).responses.create(**{**args, "max_output_tokens": 96}, stream=True))
-    final = events[-1].response
-    assert events[-1].type == "response.completed" and [item.type for item in final.output] == [
-        "reasoning", "function_call"]
-    call = final.output[1]
-    done = [event for event in events if event.type == "response.function_call_arguments.done"]
-    assert [event.arguments for event in done] == ["".join(
-        event.delta for event in events if event.type == "response.function_call_arguments.delta")] == [call.arguments]
-    assert call.name == "report" and call.call_id
-    jsonschema.validate(json.loads(call.arguments), ANSWER)   # the grammar held the call to the tool's schema
-
-    # the next turn, as the Agents SDK sends it: the input so far, the output items, the tool's output
-    history = [{"role": "user", "content": "Hi"}] + [item.model_dump(exclude_unset=True) for item in final.output]
-    output = {"type": "function_call_output", "call_id": call.call_id, "output": "recorded"}
-    answer = client(url).responses.create(model=f"{BASE}:a", input=history + [output], tools=[REPORT],
-                                          max_output_tokens=1, temperature=0)
-    template_call = {"id": call.call_id, "type": "function",
-                     "function": {"name": "report", "arguments": json.loads(call.arguments)}}
-    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "", "tool_calls": [template_call]},
-                {"role": "tool", "tool_call_id": call.call_id, "content": "recorded"}]
-    tools = [{"type": "function", "function": {k: v for k, v in REPORT.items() if k != "type"}}]
-    prompt = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
-    assert "<tool_response>\nrecorded\n</tool_response>" in prompt   # Qwen3's template: a tool message
-    assert answer.usage.input_tokens == len(tokenizer(prompt, add_special_tokens=False).input_ids)
-    assert answer.model == f"{BASE}:a" and answer.usage.output_tokens == 1
-
-
-def test_responses_refuse_what_they_do_not_serve_naming_it(url):
-    for field, value in (("store", True), ("previous_response_id", "resp_1"), ("truncation", "auto"),
-                         ("modalities", ["text"])):
-        response = requests.post(f"{url}/v1/responses", json={"model": BASE, "input": "Hi", field: value}, timeout=60)
-        error = response.json()["error"]
-        assert response.status_code == 400 and error["type"] == "BadRequestError" and error["param"] == field, error
-        assert field in error["message"]
-    with pytest.raises(openai.BadRequestError) as refused:
-        client(url).responses.create(model=BASE, input="Hi", store=True)
-    assert "keeps no responses" in refused.value.body["message"]

@@ -1,7 +1,7 @@
 """The Responses API (POST /v1/responses) without Ray: a request translated into the chat completion it means
 (messages, tools, tool_choice, text.format, sampling), refusals as 400 bodies naming the field, and the output
 rendered from chat outputs, whole and streamed, checked against the openai client's own types (its stream
-accumulator too). The end to end checks with the openai client run on test_openai_fields' app."""
+accumulator too). The end to end checks with the openai client run on test_openai_responses' app."""
 from __future__ import annotations
 
 import json
