@@ -35,14 +35,14 @@ def python_calls(n: int = 200) -> int:
 
 def ops() -> dict:
     from workers import cpu_ops
-    from workers.models import qwen3_moe
+    from workers.models import moe_experts
 
     bf = torch.bfloat16
     x16, router = torch.randn(16, 1024, dtype=bf), torch.randn(128, 1024, dtype=bf) * 0.02
     logits = F.linear(x16, router)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, 8, dim=-1)
-    rows = qwen3_moe.group_rows(weights.to(bf), ids, 128, graph_safe=False, grouped=True)
+    rows = moe_experts.group_rows(weights.to(bf), ids, 128, graph_safe=False, grouped=True)
     y = torch.randn(128, 1024, dtype=bf)
     x32, delta, w = torch.randn(32, 1024, dtype=bf), torch.randn(32, 1024, dtype=bf), torch.ones(1024, dtype=bf)
     gate_up = torch.randn(32, 6144, dtype=bf)
@@ -50,9 +50,9 @@ def ops() -> dict:
             "router linear 16x1024 @ 128": lambda: F.linear(x16, router),
             "softmax 16x128 (fp32)": lambda: torch.softmax(logits, dim=-1, dtype=torch.float32),
             "topk 8 of 128": lambda: torch.topk(probs, 8, dim=-1),
-            "group_rows (sort by expert, offsets)": lambda: qwen3_moe.group_rows(weights, ids, 128, False, True),
+            "group_rows (sort by expert, offsets)": lambda: moe_experts.group_rows(weights, ids, 128, False, True),
             "gather 128 rows": lambda: x16[rows.token],
-            "combine (weighted index_add)": lambda: qwen3_moe.MoeExperts.combine(y, rows, 16),
+            "combine (weighted index_add)": lambda: moe_experts.MoeExperts.combine(y, rows, 16),
             "add + RMSNorm 32x1024 (cpu_ops.c)": lambda: cpu_ops.add_rms_norm(x32, delta, w, 1e-6),
             "SiLU-and-mul 32x3072 (cpu_ops.c)": lambda: cpu_ops.silu_and_mul(gate_up)}
 

@@ -15,7 +15,7 @@ backend:
 before the block's one all-reduce, as for the row-parallel linears. Each delta is added right after its projection,
 on the block's own rows (on the CPU sorted by expert for the grouped GEMM, workers/models/cpu_moe.py; the rows'
 order does not matter to the ops, which read each row's combined index). Duck-typed against
-workers/models/qwen3_moe.py's MoeExperts (`gather`, `gate_up`, `act`, `down`, `combine`).
+workers/models/moe_experts.py's MoeExperts (`gather`, `gate_up`, `act`, `down`, `combine`).
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from factories import PROMPTS, engine_with_adapters
 from lora import native
 from moe_factories import make_expert_adapter, make_moe_model
 from workers import SamplingParams, tape_graph
-from workers.models import cpu_moe, qwen3_moe
+from workers.models import cpu_moe, moe_experts
 
 assert cpu_moe.available(), "no C compiler: the kernel under test is not built"
 
@@ -144,7 +144,7 @@ def _generate(path, adapters, monkeypatch, enabled: bool, **config):
     monkeypatch.setattr(cpu_moe, "ENABLED", enabled)
     engine = engine_with_adapters(path, adapters, max_lora_rank=8, **config)
     try:
-        experts = [m for m in engine.executor.runner.model.modules() if isinstance(m, qwen3_moe.GroupedLinear)]
+        experts = [m for m in engine.executor.runner.model.modules() if isinstance(m, moe_experts.GroupedLinear)]
         assert experts and all(m.packed is None for m in experts) == enabled   # the kernel reads them unpacked
         assert not enabled or all(huge_pages.advised(m.weight) for m in experts)
         names = [None, "experts"] * 3

@@ -9,7 +9,7 @@ counts (npu_grouped_matmul's group_list with a leading 0), computed on the devic
 host, so eager steps and a captured decode (workers/tape_graph.py records the op as one) run the same call. An
 eager call (no dispatch mode, not tracing) calls the kernel directly, as workers/cpu_ops.py does. `applies` says
 whether the kernel takes the operands (CPU, bf16 / fp32, a C compiler, LORASERVE_MOE_KERNEL not 0); where it
-does not, qwen3_moe.py keeps one oneDNN GEMM per active expert (same maths).
+does not, moe_experts.py keeps one oneDNN GEMM per active expert (same maths).
 
 Which for which (results/moe_grouped.md, Qwen3-30B-A3B's expert shape, bf16, 1 thread): the vector kernel reads
 each active expert's weight once with all its rows and wins up to ~2 rows per expert (1.1-2x over oneDNN per

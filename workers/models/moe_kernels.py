@@ -1,7 +1,7 @@
 """The Qwen3-MoE sparse block on an NPU through torch_npu's MoE ops, as vllm-ascend's fused MoE calls them.
 
 One kernel object per model runner, chosen once by platform (`moe_kernel`), as the W8A8 kernels are; a
-platform or chip without the ops keeps the torch path of qwen3_moe.py (the same maths). Per block and step:
+platform or chip without the ops keeps the torch path of moe_experts.py (the same maths). Per block and step:
 
     probs, ids, _ = npu_moe_gating_top_k_softmax(logits.float(), k)       softmax in fp32, top-k (HF's router)
     x_sorted, idx, counts_cumsum, _ = npu_moe_init_routing_v2(x, ids, ...)
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from workers.models.qwen3_moe import ExpertRows
+from workers.models.moe_experts import ExpertRows
 
 log = logging.getLogger(__name__)
 OPS = ("npu_moe_gating_top_k_softmax", "npu_moe_init_routing_v2", "npu_grouped_matmul", "npu_moe_finalize_routing")
