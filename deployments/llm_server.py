@@ -7,7 +7,7 @@ only relays bytes. Adapters are routed with Serve's multiplexing: a caller names
 replica loads it on first use (from the app's adapter registry; deployments/replica_adapters.py). Handle
 methods: `generate`, `generate_stream`, `load_adapter`, `unload_adapter`,
 `list_adapters`, `stats`; `check_health` fails once the engine (or one of its
-workers) is dead, so Serve replaces the replica.
+workers) is dead, so Serve replaces the replica (deployments/replica_health.py).
 """
 from __future__ import annotations
 
@@ -18,15 +18,13 @@ from typing import Any, AsyncIterator
 
 from ray import serve
 
-from deployments.adapter_mirror import AdapterMirror
 from deployments.choices import best, choice, handle_call, merge, ranks
-from deployments.adapter_registry import RegistryClient
 from deployments.config import LLMConfig
 from deployments.errors import quiet_caller_errors
 from deployments.loopback import bind_replica_grpc_to_node_ip
 from deployments.metrics import ServerMetrics
 from deployments.replica_adapters import ReplicaAdapters
-from deployments.routing.prefetch import HomePrefetcher
+from deployments.replica_health import ReplicaHealth
 from deployments.render import RenderedChoices, RenderSpec
 from deployments.responses_render import RenderedResponse, ResponsesSpec
 from deployments.served_output import ServedOutput
@@ -44,10 +42,9 @@ from workers.reasoning import think_tokens
 from workers.sequence import RequestOutput
 
 Prompt = str | list[int]
-REGISTRY_START_TIMEOUT_S = 60.0   # a registry restarting while this replica starts: wait for it, then fail
 
 
-class LLMServer(ReplicaAdapters):
+class LLMServer(ReplicaAdapters, ReplicaHealth):
     async def __init__(self, config: LLMConfig):
         bind_replica_grpc_to_node_ip()   # before Serve starts this replica's gRPC server (after __init__)
         quiet_caller_errors()     # a caller's mistake raised from a method is one log line, not a traceback
@@ -56,26 +53,7 @@ class LLMServer(ReplicaAdapters):
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
         self._use_engine(await asyncio.to_thread(_start_engine, config), config)   # minutes for a big model
-        registry = RegistryClient(context.app_name, config.base_model_name, config.registry_sync_interval_s)
-        await registry.call(lambda actor: actor.seed.remote(config.adapters), REGISTRY_START_TIMEOUT_S)
-        self.adapters = AdapterMirror(registry, self.engine, self.replica_id, config.registry_sync_interval_s,
-                                      self.stats, loaded=config.adapters)
-        await self.adapters.sync()
-        self._sync_task = asyncio.get_running_loop().create_task(self.adapters.run())
-        if config.routing == "adapter-affinity":   # this replica's share of the adapters, read before requests come
-            self._prefetch_task = asyncio.get_running_loop().create_task(HomePrefetcher(
-                self.replica_id, live_replicas=lambda: registry.call(lambda actor: actor.live_replicas.remote()),
-                adapters=lambda: self.adapters.sources, registered=lambda: self.adapters.loaded,
-                register=self._ensure_loaded, engine=self.engine, capacity=config.engine.max_loaded_loras,
-                period_s=config.routing_stats_period_s).run())
-        # Serve's per-replica LRU of adapter ids: what it reports drives routing affinity. Built here
-        # because its size comes from the config; a plain function, as Serve keeps its state on it.
-        async def load_for_routing(name: str) -> str:
-            await self._ensure_loaded(name)
-            return name
-
-        self._warm_adapter = serve.multiplexed(max_num_models_per_replica=config.models_per_replica)(
-            load_for_routing)
+        await self._start_adapters(context.app_name)
 
     def _use_engine(self, engine: AsyncLLMEngine, config: LLMConfig) -> None:
         """What the request path needs of the engine and the config (all of it, for a replica without Serve)."""
@@ -278,44 +256,9 @@ class LLMServer(ReplicaAdapters):
         check_token_ids(tokens, self.engine.vocab_size, "tokens")
         return self.engine.decode_tokenizer.decode(tokens)
 
-    # ---- health and stats ---------------------------------------------------------------------------
-    async def stats(self) -> dict[str, Any]:
-        engine = await self.engine.stats()
-        self.metrics.record_engine(engine)
-        return {"replica_id": self.replica_id, "healthy": self.engine.is_healthy(), "engine": engine,
-                "adapters_loaded": sorted(self.adapters.loaded), "metrics": self.metrics.totals(),
-                "vllm": self.metrics.vllm.snapshot()}
-
-    async def record_routing_stats(self) -> dict[str, Any]:
-        """What the request router reads (deployments/routing/router.py), every routing_stats_period_s."""
-        engine = await self.engine.stats()
-        lora = engine.get("lora", {})
-        return {**self._routing_limits, "load": engine["running"] + engine["waiting"],
-                **lora.get("residency", {}), "requests": lora.get("requests", {})}
-
-    async def is_healthy(self) -> bool:
-        return await self.engine.check_health()
-
-    async def check_health(self) -> None:
-        """Called by Serve every health_check_period_s; raising makes Serve replace this replica."""
-        if not await self.engine.check_health():
-            raise RuntimeError(f"replica {self.replica_id}: the engine or one of its workers is dead "
-                               f"({self.engine.error or 'a worker does not answer'})")
-
     async def __del__(self):
-        """Serve's shutdown hook (also after a failed __init__: only what was built is torn down).
-
-        When the whole application is being deleted, its adapter registry goes with it.
-        """
-        if hasattr(self, "_prefetch_task"):
-            self._prefetch_task.cancel()
-        if hasattr(self, "_sync_task"):
-            self._sync_task.cancel()
-            if not await self.adapters.registry.release_if_app_deleted():
-                try:
-                    await self.adapters.close()
-                except Exception:  # noqa: BLE001  (the registry may be down: it forgets us when we go stale)
-                    pass
+        """Serve's shutdown hook (also after a failed __init__: only what was built is torn down)."""
+        await self._stop_adapters()
         if hasattr(self, "engine"):
             await asyncio.to_thread(self.engine.close)
 

@@ -1,8 +1,10 @@
-"""The adapter half of the LLMServer replica: routing a request to its adapter (Serve multiplexing), and
-hot-load / unload / list, checked here before anything is published to the app's registry.
+"""The adapter half of the LLMServer replica: its adapter state started and stopped with it (the app's
+registry, the AdapterMirror, Serve's multiplexed loader, the home prefetcher), routing a request to its
+adapter (Serve multiplexing), and hot-load / unload / list, checked here before anything is published to the
+app's registry.
 
-A mixin of deployments.llm_server.LLMServer: it uses the replica's `config`, `adapters` (AdapterMirror),
-`metrics` and `_warm_adapter` (Serve's multiplexed loader), all set in LLMServer.__init__.
+A mixin of deployments.llm_server.LLMServer: it uses the replica's `config`, `engine`, `replica_id`,
+`metrics` and `stats`, set in LLMServer.__init__ before `_start_adapters`.
 """
 from __future__ import annotations
 
@@ -12,12 +14,53 @@ from typing import Any
 
 from ray import serve
 
+from deployments.adapter_mirror import AdapterMirror
+from deployments.adapter_registry import RegistryClient
+from deployments.routing.prefetch import HomePrefetcher
 from lora.names import check_adapter_name
 from lora.errors import AdapterError, AdapterNotFoundError
 from lora.sources import check_source_allowed, is_hub_id
 
+REGISTRY_START_TIMEOUT_S = 60.0   # a registry restarting while this replica starts: wait for it, then fail
+
 
 class ReplicaAdapters:
+    async def _start_adapters(self, app_name: str) -> None:
+        """The app's adapters on this replica: seeded into the registry, mirrored to the engine, kept in sync."""
+        config = self.config
+        registry = RegistryClient(app_name, config.base_model_name, config.registry_sync_interval_s)
+        await registry.call(lambda actor: actor.seed.remote(config.adapters), REGISTRY_START_TIMEOUT_S)
+        self.adapters = AdapterMirror(registry, self.engine, self.replica_id, config.registry_sync_interval_s,
+                                      self.stats, loaded=config.adapters)
+        await self.adapters.sync()
+        self._sync_task = asyncio.get_running_loop().create_task(self.adapters.run())
+        if config.routing == "adapter-affinity":   # this replica's share of the adapters, read before requests come
+            self._prefetch_task = asyncio.get_running_loop().create_task(HomePrefetcher(
+                self.replica_id, live_replicas=lambda: registry.call(lambda actor: actor.live_replicas.remote()),
+                adapters=lambda: self.adapters.sources, registered=lambda: self.adapters.loaded,
+                register=self._ensure_loaded, engine=self.engine, capacity=config.engine.max_loaded_loras,
+                period_s=config.routing_stats_period_s).run())
+        # Serve's per-replica LRU of adapter ids: what it reports drives routing affinity. Built here
+        # because its size comes from the config; a plain function, as Serve keeps its state on it.
+        async def load_for_routing(name: str) -> str:
+            await self._ensure_loaded(name)
+            return name
+
+        self._warm_adapter = serve.multiplexed(max_num_models_per_replica=config.models_per_replica)(
+            load_for_routing)
+
+    async def _stop_adapters(self) -> None:
+        """Only what `_start_adapters` got to build (it may have failed half-way); when the whole application is
+        being deleted, its adapter registry goes with it."""
+        if hasattr(self, "_prefetch_task"):
+            self._prefetch_task.cancel()
+        if hasattr(self, "_sync_task"):
+            self._sync_task.cancel()
+            if not await self.adapters.registry.release_if_app_deleted():
+                try:
+                    await self.adapters.close()
+                except Exception:  # noqa: BLE001  (the registry may be down: it forgets us when we go stale)
+                    pass
     async def _adapter_for_request(self) -> str | None:
         name = serve.get_multiplexed_model_id()
         if not name:
