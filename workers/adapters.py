@@ -151,6 +151,21 @@ class AdapterManager:
     def acquire(self, ref: AdapterRef) -> None:
         self.cache.acquire(ref)
 
+    def acquire_current(self, name: str) -> AdapterRef | None:
+        """A reference to the current version of `name` if it is in host memory (None: not yet, a load
+        starts); the request that asked keeps that version to its end. AdapterError: unloaded, or its load
+        failed."""
+        ref = self.current(name)
+        if ref is None:
+            self.check_known(name)   # unloaded while its request waited: AdapterNotFoundError
+        if not self.ensure(ref):
+            return None
+        try:
+            self.acquire(ref)
+        except AdapterError:   # evicted by a load that finished in between: retry next step
+            return None
+        return ref
+
     def release(self, ref: AdapterRef) -> None:
         self.cache.release(ref)
         self._forget_if_unused(ref)

@@ -77,6 +77,18 @@ class BlockPool:
                 blocks.append(block)
         return blocks
 
+    def match_prefix(self, seq, block_size: int) -> list[int]:
+        """`match` for a sequence (workers/sequence.py) about to be admitted: its hash chain restarted if its
+        adapter version is not the one the chain was computed under, then extended to its whole length."""
+        root = hash_root(seq.adapter_ref)
+        if seq.hash_root != root:
+            seq.block_hashes, seq.hash_root, seq.num_registered_blocks = [], root, 0
+        extend_hashes(seq.block_hashes, root, seq.token_ids, block_size, len(seq))
+        # The last token is always computed: its logits are what the step samples from. Prompt logprobs
+        # need every prompt token's logits, so such a request computes its whole prompt.
+        usable = 0 if seq.params.prompt_logprobs is not None else (len(seq) - 1) // block_size
+        return self.match(seq.block_hashes[:usable])
+
     def num_free_after_taking(self, blocks: Seq[int]) -> int:
         return len(self.free) - sum(1 for b in blocks if b in self.free)
 
@@ -121,6 +133,19 @@ class BlockPool:
         if block_hash not in self.cached:   # an identical block already cached keeps serving hits
             self.cached[block_hash] = block
             self.block_hash[block] = block_hash
+
+    def cache_full_blocks(self, seq, num_tokens: int, block_size: int) -> None:
+        """Offer the blocks of a sequence that its first `num_tokens` fill, before the step that computes them
+        runs: every layer writes the whole step's K/V before any attention reads it, so a request admitted
+        later in the same step (the other choices of an n > 1 request, a burst sharing a system prompt)
+        already reuses them."""
+        full = num_tokens // block_size
+        if not self.enable_caching or full <= seq.num_registered_blocks:
+            return
+        extend_hashes(seq.block_hashes, seq.hash_root, seq.token_ids, block_size, num_tokens)
+        for i in range(seq.num_registered_blocks, full):
+            self.register(seq.block_table[i], seq.block_hashes[i])
+        seq.num_registered_blocks = full
 
     def _uncache(self, block: int) -> None:
         h = self.block_hash[block]

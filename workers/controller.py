@@ -24,7 +24,7 @@ from collections import deque
 from lora.errors import AdapterError
 from lora.ref import AdapterRef
 from workers.adapters import AdapterManager
-from workers.block_pool import BlockPool, extend_hashes, hash_root
+from workers.block_pool import BlockPool
 from workers.config import EngineConfig
 from workers.kv_cache import blocks_needed
 from workers.lora_budget import LoRABudget
@@ -75,8 +75,8 @@ class Controller:
                 n = min(seq.num_uncomputed, budget)
                 chunks.append((seq, n))
                 budget -= n
-        for seq, n in decodes + chunks:
-            self._cache_full_blocks(seq, seq.num_computed_tokens + n)
+        for seq, n in decodes + chunks:   # offered before the step runs: see BlockPool.cache_full_blocks
+            self.blocks.cache_full_blocks(seq, seq.num_computed_tokens + n, self.block_size)
         admitted = self._admit(budget, holders)
         self.running.extend(seq for seq, _ in admitted)
         scheduled = decodes + chunks + admitted
@@ -118,7 +118,7 @@ class Controller:
             seq.lora_skips = 0
             admitted.append((seq, started))
             budget -= started
-            self._cache_full_blocks(seq, seq.num_computed_tokens + started)
+            self.blocks.cache_full_blocks(seq, seq.num_computed_tokens + started, self.block_size)
         paused = [seq for seq in self.running if self.budget.is_paused(seq)]
         self.budget.count_skips((*self.waiting, *paused), holders, self._lora_id)
         return admitted
@@ -137,14 +137,7 @@ class Controller:
         held = seq.adapter_ref is not None   # preempted: it keeps the version it started on
         if seq.adapter and not held and not self._acquire_adapter(seq):
             return 0
-        root = hash_root(seq.adapter_ref)
-        if seq.hash_root != root:
-            seq.block_hashes, seq.hash_root, seq.num_registered_blocks = [], root, 0
-        extend_hashes(seq.block_hashes, root, seq.token_ids, self.block_size, len(seq))
-        # The last token is always computed: its logits are what the step samples from. Prompt logprobs
-        # need every prompt token's logits, so such a request computes its whole prompt.
-        usable = 0 if seq.params.prompt_logprobs is not None else (len(seq) - 1) // self.block_size
-        hit = self.blocks.match(seq.block_hashes[:usable])
+        hit = self.blocks.match_prefix(seq, self.block_size)
         cached = len(hit) * self.block_size
         need = blocks_needed(len(seq), self.block_size) - len(hit)
         if (need > self.blocks.num_free_after_taking(hit)
@@ -185,23 +178,13 @@ class Controller:
         return seq.adapter_ref or self.adapters.current(seq.adapter) or seq.adapter
 
     def _acquire_adapter(self, seq: Sequence) -> bool:
-        """Hold a reference to the current version of the request's adapter if it is in host memory (else a
-        load starts); the request keeps that version to its end."""
-        ref = self.adapters.current(seq.adapter)
+        """Hold the current version of the request's adapter (AdapterManager.acquire_current) to its end."""
         try:
-            if ref is None:
-                self.adapters.check_known(seq.adapter)   # unloaded while it waited: AdapterNotFoundError
-            if not self.adapters.ensure(ref):
-                return False
+            seq.adapter_ref = self.adapters.acquire_current(seq.adapter)
         except AdapterError as exc:
             self._fail_waiting(seq, exc)
             return False
-        try:
-            self.adapters.acquire(ref)
-        except AdapterError:   # evicted by a load that finished in between: retry next step
-            return False
-        seq.adapter_ref = ref
-        return True
+        return seq.adapter_ref is not None
 
     def _release_adapter(self, seq: Sequence) -> None:
         if seq.adapter_ref is not None:
@@ -247,30 +230,18 @@ class Controller:
             if seq.is_finished:   # failed with its adapter: its row (if any) is skipped
                 row += samples[i]
                 continue
-            start = seq.num_computed_tokens
-            seq.num_computed_tokens += n
             if out.prompt_logprobs and out.prompt_logprobs[i] is not None:
-                if not seq.prompt_logprobs:
-                    seq.prompt_logprobs.append(None)   # the first prompt token has no context to score it
-                for j, (logprob, top) in enumerate(out.prompt_logprobs[i]):
-                    if len(seq.prompt_logprobs) == start + 1 + j:   # recomputed after preemption: kept once
-                        seq.prompt_logprobs.append((logprob, top[:seq.params.prompt_logprobs]))
+                seq.add_prompt_logprobs(out.prompt_logprobs[i])   # before its computed tokens move on
+            seq.num_computed_tokens += n
             if seq.num_computed_tokens < len(seq):
                 continue                          # a chunk of a longer prompt: nothing sampled yet
-            token = out.tokens[row]
-            seq.token_ids.append(token)
-            seq.logprobs.append(out.logprobs[row])
-            if seq.params.top_logprobs:
-                seq.top_logprobs.append(out.top_logprobs[row][:seq.params.top_logprobs])
+            stop = seq.take_token(out.tokens[row], out.logprobs[row],
+                                  out.top_logprobs[row] if seq.params.top_logprobs else None,
+                                  self.eos_token_ids, self.max_model_len)
             row += 1
             produced.append(seq)
-            p = seq.params   # (min_tokens: the sampler held the stop tokens back until it was reached)
-            if seq.matcher is not None and not seq.matcher.accept(token):   # the mask allowed it: never expected
-                self.finish(seq, "error", error=f"token {token} does not fit the {p.structured.field} grammar")
-            elif token in seq.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos):
-                self.finish(seq, "stop")
-            elif seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
-                self.finish(seq, "length")
+            if stop is not None:
+                self.finish(seq, *stop)
         return produced
 
     def fail_adapter(self, ref: AdapterRef, error: str) -> None:
@@ -280,18 +251,6 @@ class Controller:
             self.finish(seq, "error", error=error)
             self.errored.append(seq)
         self.adapters.forget_slot(ref)
-
-    def _cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
-        """Offer the blocks this step fills to the prefix cache, before the step runs: every layer writes
-        the whole step's K/V before any attention reads it, so a request admitted later in the same step
-        (the other choices of an n > 1 request, a burst sharing a system prompt) already reuses them."""
-        full = num_tokens // self.block_size
-        if not self.blocks.enable_caching or full <= seq.num_registered_blocks:
-            return
-        extend_hashes(seq.block_hashes, seq.hash_root, seq.token_ids, self.block_size, num_tokens)
-        for i in range(seq.num_registered_blocks, full):
-            self.blocks.register(seq.block_table[i], seq.block_hashes[i])
-        seq.num_registered_blocks = full
 
     def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         if seq.status is Status.FINISHED:

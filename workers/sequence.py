@@ -76,6 +76,33 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
 
+    # ---- a step's output (workers/controller.py Controller.complete) ------
+    def add_prompt_logprobs(self, entries: list[tuple[float, list[tuple[int, float]]]]) -> None:
+        """(logprob, alternatives) of the prompt tokens a chunk predicted, from its first uncomputed one on."""
+        start = self.num_computed_tokens
+        if not self.prompt_logprobs:
+            self.prompt_logprobs.append(None)   # the first prompt token has no context to score it
+        for j, (logprob, top) in enumerate(entries):
+            if len(self.prompt_logprobs) == start + 1 + j:   # recomputed after preemption: kept once
+                self.prompt_logprobs.append((logprob, top[:self.params.prompt_logprobs]))
+
+    def take_token(self, token: int, logprob: float, top_logprobs: list[tuple[int, float]] | None,
+                   eos_token_ids: frozenset, max_model_len: int) -> tuple[str, str | None] | None:
+        """Keep a sampled token (its grammar advanced); returns (finish_reason, error) if it ends the sequence:
+        its grammar refused it, a stop or EOS token, or a length limit (vLLM's check_stop)."""
+        self.token_ids.append(token)
+        self.logprobs.append(logprob)
+        p = self.params   # (min_tokens: the sampler held the stop tokens back until it was reached)
+        if p.top_logprobs:
+            self.top_logprobs.append(top_logprobs[:p.top_logprobs])
+        if self.matcher is not None and not self.matcher.accept(token):   # the mask allowed it: never expected
+            return "error", f"token {token} does not fit the {p.structured.field} grammar"
+        if token in self.stop_token_ids or (token in eos_token_ids and not p.ignore_eos):
+            return "stop", None
+        if self.num_output_tokens >= p.max_tokens or len(self) >= max_model_len:
+            return "length", None
+        return None
+
 
 @dataclass
 class TokenDelta:
