@@ -98,28 +98,23 @@ class HostAdapterCache:
                 self._resident.move_to_end(name)
                 return self._resident[name]
         if preloaded is None:
-            start = time.perf_counter()
-            try:
-                adapter = self._load_fn(name, source)
-            except BaseException:
-                with self._lock:
-                    self._counts["load_failures"] += 1
-                raise
-            preloaded = adapter, time.perf_counter() - start
+            preloaded = self._timed_load(name, source)
         with self._lock:
             return self._insert(name, source, *preloaded) or preloaded[0]
 
     def read(self, name: Key, source: str) -> concurrent.futures.Future:
         """Read and validate `source` on the load threads, without registering it: (adapter, seconds)."""
-        def run():
-            start = time.perf_counter()
-            try:
-                return self._load_fn(name, source), time.perf_counter() - start
-            except BaseException:
-                with self._lock:
-                    self._counts["load_failures"] += 1
-                raise
-        return self._executor.submit(run)
+        return self._executor.submit(self._timed_load, name, source)
+
+    def _timed_load(self, name: Key, source: str) -> tuple[LoRAAdapter, float]:
+        """(adapter, seconds) of one `load_fn` call, a failure counted (outside the lock)."""
+        start = time.perf_counter()
+        try:
+            return self._load_fn(name, source), time.perf_counter() - start
+        except BaseException:
+            with self._lock:
+                self._counts["load_failures"] += 1
+            raise
 
     def ensure(self, name: Key) -> bool:
         """True if resident; else start one background load and return False.
