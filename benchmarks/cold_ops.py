@@ -20,7 +20,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import RESULTS, machine_info, write_result
+from benchmarks.common import machine_info, write_result
 
 
 def python_calls(n: int = 200) -> int:

@@ -131,8 +131,9 @@ class RunTiming:
         return out
 
 
-def run_requests(engine, prompts, adapters, max_tokens: int) -> RunTiming:
-    """Submit every request, then step until all finish; each step timed and classified.
+def run_requests(engine, prompts, adapters, max_tokens: int, logprobs: bool = False) -> RunTiming:
+    """Submit every request, then step until all finish; each step timed and classified (`logprobs`: each
+    request asks for its tokens' logprobs, as the sampler computes them only then).
 
     A step that runs any prompt tokens is a prefill step (with chunked prefill it also carries the
     running decodes); a step of decodes only is a decode step; a step that returns nothing waited
@@ -140,7 +141,7 @@ def run_requests(engine, prompts, adapters, max_tokens: int) -> RunTiming:
     """
     from workers import SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=False)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=logprobs)
     timing = RunTiming()
     start = time.perf_counter()
     for prompt, adapter in zip(prompts, adapters):
@@ -206,6 +207,18 @@ def write_result(name: str, data: dict, out_dir: Path = RESULTS) -> Path:
     path = out_dir / f"{name}.json"
     path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
     return path
+
+
+def as_engine_process(module: str, argv) -> None:
+    """Run `python -m module argv` again with the malloc setting every engine process of ours starts with
+    (workers/engine_process.py's MALLOC_TUNABLES: glibc reads it only at start), unless GLIBC_TUNABLES is set
+    (empty: glibc's defaults)."""
+    if "GLIBC_TUNABLES" not in os.environ:
+        from workers.engine_process import MALLOC_TUNABLES
+
+        args = sys.argv[1:] if argv is None else list(argv)
+        os.execve(sys.executable, [sys.executable, "-m", module, *args],
+                  {**os.environ, "GLIBC_TUNABLES": MALLOC_TUNABLES})
 
 
 def command(module: str, argv) -> str:

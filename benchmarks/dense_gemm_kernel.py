@@ -22,7 +22,7 @@ from statistics import median
 
 import torch
 
-from benchmarks.common import FULL, RESULTS, machine_info, write_result
+from benchmarks.common import FULL, RESULTS, as_engine_process, machine_info, write_result
 
 COPIES = 8
 
@@ -92,10 +92,7 @@ def markdown(data: dict) -> str:
 
 def main(argv=None) -> dict:
     args_in = sys.argv[1:] if argv is None else list(argv)
-    if "GLIBC_TUNABLES" not in os.environ:   # glibc reads it at start: run again, as the engine process starts
-        from workers.engine_process import MALLOC_TUNABLES
-        os.execve(sys.executable, [sys.executable, "-m", "benchmarks.dense_gemm_kernel", *args_in],
-                  {**os.environ, "GLIBC_TUNABLES": MALLOC_TUNABLES})
+    as_engine_process("benchmarks.dense_gemm_kernel", args_in)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rows", default="1,2,8,32,128,512")

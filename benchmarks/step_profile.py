@@ -24,13 +24,12 @@ step made of nothing but its measured GEMMs would reach. Writes results/step_pro
 from __future__ import annotations
 
 import os
-import sys
 from statistics import median
 
 from benchmarks import bandwidth
 from benchmarks.checkpoint import build_checkpoint
-from benchmarks.common import (FULL, RESULTS, Sizes, machine_info, make_engine, make_prompts, run_requests,
-                               set_threads, sizes_dict, sizes_from_json, write_result)
+from benchmarks.common import (FULL, RESULTS, Sizes, as_engine_process, machine_info, make_engine, make_prompts,
+                               run_requests, set_threads, sizes_dict, sizes_from_json, write_result)
 from benchmarks.profile_decode import run_requests_split, timed_parts
 
 TIMED = ("base_linear", "attention", "lora", "sampling", "elementwise", "forward")
@@ -130,12 +129,7 @@ def markdown(data: dict) -> str:
 def main(argv=None) -> dict:
     import argparse
 
-    if "GLIBC_TUNABLES" not in os.environ:   # glibc reads it at start: run again, as the engine process starts
-        from workers.engine_process import MALLOC_TUNABLES
-
-        args = sys.argv[1:] if argv is None else list(argv)
-        os.execve(sys.executable, [sys.executable, "-m", "benchmarks.step_profile", *args],
-                  {**os.environ, "GLIBC_TUNABLES": MALLOC_TUNABLES})
+    as_engine_process("benchmarks.step_profile", argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--sizes", default=None, help="JSON overrides of benchmarks.common.Sizes")
