@@ -3,8 +3,8 @@ registry, the AdapterMirror, Serve's multiplexed loader, the home prefetcher), r
 adapter (Serve multiplexing), and hot-load / unload / list, checked here before anything is published to the
 app's registry.
 
-A mixin of deployments.llm_server.LLMServer: it uses the replica's `config`, `engine`, `replica_id`,
-`metrics` and `stats`, set in LLMServer.__init__ before `_start_adapters`.
+A mixin of deployments.llm_server.LLMServer: it uses the replica's `config`, `_hotload_hub`, `engine`,
+`replica_id`, `metrics` and `stats`, set in LLMServer.__init__ before `_start_adapters`.
 """
 from __future__ import annotations
 
