@@ -61,6 +61,7 @@ class ReplicaAdapters:
                     await self.adapters.close()
                 except Exception:  # noqa: BLE001  (the registry may be down: it forgets us when we go stale)
                     pass
+
     async def _adapter_for_request(self) -> str | None:
         name = serve.get_multiplexed_model_id()
         if not name:
