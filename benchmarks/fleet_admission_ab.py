@@ -30,7 +30,8 @@ import time
 
 from benchmarks.fleet_admission import MAX_WAIT_STEPS, EngineQueues
 from benchmarks.common import command, record
-from benchmarks.fleet_sim import FLEET_SCENARIO, NPU_COSTS, PHASES, Simulation, metrics, requests_for
+from benchmarks.fleet_sim import FLEET_SCENARIO, NPU_COSTS, PHASES, Simulation, requests_for
+from benchmarks.fleet_sim_metrics import metrics
 
 NEVER = 10 ** 9
 

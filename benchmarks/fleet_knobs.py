@@ -20,7 +20,8 @@ import sys
 
 from benchmarks.common import RESULTS, write_result
 from benchmarks.fleet_calibration import calibrated_costs
-from benchmarks.fleet_sim import FLEET_SCENARIO, NPU_COSTS, PHASES, percentile, simulate, window_ratios
+from benchmarks.fleet_sim import FLEET_SCENARIO, NPU_COSTS, PHASES, simulate
+from benchmarks.fleet_sim_metrics import percentile, window_ratios
 from benchmarks.fleet_validate import ROUTERS, Replay, serving_costs, sim_metrics
 
 DRAIN_S = 5.0   # output tok/s: the tokens of the requests that finished by this long after the last arrival

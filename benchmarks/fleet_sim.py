@@ -23,7 +23,6 @@ import argparse
 import heapq
 import itertools
 import json
-import math
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
@@ -33,12 +32,10 @@ from benchmarks.fleet_admission import MAX_WAIT_STEPS
 from benchmarks.fleet_cpu import SharedCpu
 from benchmarks.fleet_replica import Replica, ReplicaSpec, SimRequest, StepCosts
 from benchmarks.fleet_routers import AffinityRouting, ServeDefaultRouting
+from benchmarks.fleet_sim_metrics import TICK_S, metrics
 from benchmarks.fleet_waits import markdown as waits_markdown
-from benchmarks.fleet_waits import ttft_waits
 from benchmarks.fleet_workload import TRACE_CITATION, Phase, adapter_names, make_workload
 
-TICK_S = 0.1           # load samples and Serve's replica-set broadcasts
-WINDOW_S = 10.0        # imbalance: max / mean of the replicas' mean in-flight over 10 s windows (1 s apart)
 ROUTERS = {"adapter-affinity": AffinityRouting, "serve-default": ServeDefaultRouting}
 # An accelerator-sized replica (one NPU, an 8B model in bf16, rank-16 adapters on all seven projections, ~87 MB
 # each). Assumed, not measured here: a decode step of 20 ms + 0.25 ms per sequence + 0.2 ms per distinct adapter,
@@ -185,50 +182,6 @@ def requests_for(scenario: Scenario, phase: Phase, seed: int, single_adapter: bo
     return [SimRequest(r.at, "single" if single_adapter else r.adapter, r.prompt_tokens, r.output_tokens)
             for r in make_workload(num_adapters=scenario.num_adapters, rate=scenario.rate, duration_s=duration,
                                    phase=phase, seed=seed, **dict(scenario.lengths))]
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    return values[min(len(values) - 1, max(0, math.ceil(q / 100 * len(values)) - 1))]
-
-
-def window_ratios(samples: list[list[int]], start: float, end: float) -> list[float]:
-    """max / mean of the replicas' mean in-flight, per WINDOW_S window starting every second in [start, end)."""
-    per_window = round(WINDOW_S / TICK_S)
-    out = []
-    first, last = round(start / TICK_S), min(len(samples), round(end / TICK_S))
-    for begin in range(first, last - per_window + 1, round(1 / TICK_S)):
-        window = samples[begin:begin + per_window]
-        means = [sum(col) / len(window) for col in zip(*window)]
-        mean = sum(means) / len(means)
-        if mean > 0:
-            out.append(max(means) / mean)
-    return out
-
-
-def metrics(sim: Simulation, requests: list[SimRequest], phase: Phase) -> dict:
-    sc = sim.scenario
-    start, end = sc.warmup_s, sc.warmup_s + sc.duration_s
-    measured = [r for r in requests if start <= r.at < end]
-    done = [r for r in measured if r.finished_at >= 0]
-    ttft = [r.first_token_at - r.at for r in done]
-    tpot = [(r.finished_at - r.first_token_at) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
-    tokens = sum(r.output_tokens for r in requests if start <= r.finished_at < end)
-    steps = sum(r.steps for r in sim.replicas)
-    out = {"requests": len(measured), "lost": len(measured) - len(done),
-           "hit_rate": sum(r.hit for r in measured) / max(1, len(measured)),
-           "cold_loads_per_replica_s": sum(start <= t < end for t in sim.cold_loads) / sc.replicas / sc.duration_s,
-           "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99), "tpot_p50_s": percentile(tpot, 50),
-           "output_tok_s": tokens / sc.duration_s, "imbalance_p99": percentile(window_ratios(sim.samples, start, end), 99),
-           "distinct_adapters_per_step": sum(r.adapters_per_step for r in sim.replicas) / max(1, steps)}
-    out["waits"] = ttft_waits(done, out["ttft_p99_s"], sim.replicas)
-    if phase.name == "hotspot":
-        at = start + phase.hotspot_at_s
-        ramp = window_ratios(sim.samples, at - WINDOW_S / 2, at + phase.hotspot_ramp_s + WINDOW_S)
-        out["hotspot_max_over_mean"] = max(ramp) if ramp else float("nan")
-    return out
 
 
 def simulate(scenario: Scenario, costs: StepCosts, router: str, phase: Phase, seed: int = 0,
