@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import signal
 from dataclasses import replace
 
 from benchmarks.checkpoint import build_adapters, build_checkpoint
 from benchmarks.common import FULL, RESULTS, machine_info, median, write_result
-from benchmarks.peer_vllm import vllm_server, wait_healthy
+from benchmarks.peer_vllm_serving import vllm_server, wait_healthy
 from benchmarks.serving import ServingLoad, drive, loads_at, make_requests, summarize, warm_requests
 from benchmarks.serving_path import run_variant
 from benchmarks.throughput import adapter_name
