@@ -19,21 +19,18 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 
 from benchmarks.common import command, record
-from benchmarks.fleet_sim import ACCEPT, FLEET_SCENARIO, NPU_COSTS, PHASES, ROUTERS, simulate
+from benchmarks.fleet_sim import ACCEPT, NPU_COSTS, ROUTERS, phase_row
 
 BOUND = dict((metric, bound) for metric, _, bound in ACCEPT)["ttft_p99_over_single"]
 
 
 def one(case: tuple[float, str, str]) -> dict:
     per_adapter_ms, phase, router = case
-    costs = dataclasses.replace(NPU_COSTS, per_adapter_s=per_adapter_ms / 1e3)
-    result = simulate(FLEET_SCENARIO, costs, router, PHASES[phase])
-    single = simulate(FLEET_SCENARIO, costs, router, PHASES[phase], single_adapter=True)
-    return {"per_adapter_ms": per_adapter_ms, "phase": phase, "router": router, "hit_rate": result["hit_rate"],
-            "cold_loads_per_replica_s": result["cold_loads_per_replica_s"], "imbalance_p99": result["imbalance_p99"],
-            "ttft_p99_s": result["ttft_p99_s"], "single_adapter_ttft_p99_s": single["ttft_p99_s"],
-            "ttft_p99_over_single": result["ttft_p99_s"] / single["ttft_p99_s"],
-            "distinct_adapters_per_step": result["distinct_adapters_per_step"], "lost": result["lost"]}
+    result = phase_row((dataclasses.replace(NPU_COSTS, per_adapter_s=per_adapter_ms / 1e3), phase, router, 0))
+    return {"per_adapter_ms": per_adapter_ms, "phase": phase, "router": router,
+            **{k: result[k] for k in ("hit_rate", "cold_loads_per_replica_s", "imbalance_p99", "ttft_p99_s",
+                                      "single_adapter_ttft_p99_s", "ttft_p99_over_single",
+                                      "distinct_adapters_per_step", "lost")}}
 
 
 def markdown(result: dict) -> str:

@@ -196,7 +196,8 @@ def simulate(scenario: Scenario, costs: StepCosts, router: str, phase: Phase, se
     return result
 
 
-def _phase_row(case: tuple) -> dict:
+def phase_row(case: tuple) -> dict:
+    """(costs, phase name, router, seed) -> its simulate() result with the single-adapter fleet's TTFT p99 beside."""
     costs, name, router, seed = case
     phase = PHASES[name]
     result = simulate(FLEET_SCENARIO, costs, router, phase, seed)
@@ -212,7 +213,7 @@ def run_fleet(costs: StepCosts, phases: list[str], seed: int, jobs: int = 1) -> 
     """Each (phase, router) with its single-adapter baseline; `jobs` of them side by side (one core each)."""
     cases = [(costs, name, router, seed) for name in phases for router in ROUTERS]
     with ProcessPoolExecutor(max_workers=jobs) as pool:
-        results = list(pool.map(_phase_row, cases))
+        results = list(pool.map(phase_row, cases))
     rows = {}
     for (_, name, router, _), result in zip(cases, results):
         rows[f"{name} {router}"] = result
