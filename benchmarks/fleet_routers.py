@@ -89,7 +89,8 @@ class AffinityRouting(Router):
             self.policy.report(str(r.index), capacity=r.spec.max_num_seqs, load=stats.get("load"),
                                device=stats.get("device", ()), host=stats.get("host", frozenset()) | set(r.host)
                                | set(r.loading), loading=stats.get("loading", ()),
-                               evicts_next=stats.get("evicts_next"), lora_budget=r.spec.max_loras_per_batch)
+                               evicts_next=stats.get("evicts_next"), lora_budget=r.spec.max_loras_per_batch,
+                               host_slots=r.spec.max_loaded_loras)
 
     def prefetch_targets(self, now: float) -> list[tuple[object, str, frozenset]]:
         """What each replica's HomePrefetcher asks for this period (deployments/routing/prefetch.py `step`): home

@@ -63,7 +63,8 @@ class LLMServer(ReplicaAdapters, ReplicaHealth):
         self._batch_window_s = config.stream_batch_interval_ms / 1e3
         engine_config = config.engine   # a property that builds an EngineConfig: read once
         self._routing_limits = {"capacity": engine_config.max_num_seqs,
-                                "lora_budget": engine_config.max_loras_per_batch}
+                                "lora_budget": engine_config.max_loras_per_batch,
+                                "host_slots": engine_config.max_loaded_loras}
         self.metrics = ServerMetrics(config.base_model_name, engine.max_model_len, engine_config.max_loras_per_batch)
 
     # ---- generation ---------------------------------------------------------------------------------

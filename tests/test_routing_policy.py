@@ -202,7 +202,10 @@ def test_base_model_requests_go_to_the_least_loaded_replica():
 
 
 @pytest.mark.parametrize("options, message", [({"home_share": 0}, "home_share"), ({"load_factor": 0.9}, "load_factor"),
-                                              ({"max_home": 0}, "max_home")])
+                                              ({"max_home": 0}, "max_home"),
+                                              ({"short_cache_ratio": 0}, "short_cache_ratio"),
+                                              ({"short_home_share": 1.5}, "short_home_share"),
+                                              ({"short_cold_spill_factor": 0.5}, "short_cold_spill_factor")])
 def test_bad_knobs_are_refused_naming_them(options, message):
     with pytest.raises(ValueError, match=message):
         AffinityPolicy(**options)
@@ -247,3 +250,42 @@ def test_a_replica_whose_lora_budget_is_full_gives_way_to_a_copy_that_admits_the
     assert p.rank(adapter)[0] == order[2]
     p.completed("x", order[0])                        # a place in the home's budget again
     assert p.rank(adapter)[0] == order[0]
+
+
+def short_fleet(**kwargs) -> tuple[AffinityPolicy, Clock]:
+    """4 replicas of 10 host slots each; 25 adapters routed once: more live adapters than half the slots."""
+    p, clock = policy(replicas=4, **kwargs)
+    for r in p.replicas:
+        p.report(r, capacity=8, load=0, host_slots=10)
+    for a in ADAPTERS[:25]:
+        p.routed(a, p.rank(a)[0])
+        p.completed(a, p.rank(a)[0])
+    clock.now += 1.5
+    return p, clock
+
+
+def test_a_fleet_short_of_host_cache_stretches_a_home_instead_of_spilling_cold():
+    adapter = ADAPTERS[100]
+    ranks = {}
+    for ratio in (0.5, None):
+        p, clock = short_fleet(short_cache_ratio=ratio)
+        home = p.rank(adapter)[0]
+        for r in p.replicas:   # the home at 6 requests, the others at 1: mean 2.25 with this request
+            p.report(r, load=6 if r == home else 1)
+        ranks[ratio] = (home, p.rank(adapter))
+    home, short = ranks[0.5]
+    assert short[0] == home                      # 6 < 3 x the mean: the home takes it, no cold copy elsewhere
+    home, roomy = ranks[None]
+    assert roomy[0] != home                      # 6 >= 1.15 x the mean: spills cold to the next in hash order
+
+
+def test_the_short_cache_mode_ends_when_the_live_adapters_fit_again():
+    p, clock = short_fleet()
+    assert p.knobs(clock.now) == p.short_knobs
+    clock.now += p.live_s + 1                    # nobody asked for those 25 since: not live any more
+    assert p.knobs(clock.now) == (p.home_share, p.cold_spill_factor)
+    fresh, clock = policy(replicas=4)            # replicas that do not report their host slots: never short
+    for a in ADAPTERS[:25]:
+        fresh.routed(a, fresh.rank(a)[0])
+    clock.now += 1.5
+    assert fresh.knobs(clock.now) == (fresh.home_share, fresh.cold_spill_factor)

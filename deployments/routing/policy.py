@@ -49,6 +49,7 @@ class ReplicaView:
     loading: frozenset[str] = frozenset()          # adapters being read from disk
     evicts_next: str | None = None                 # what a cold load evicts now (its host cache is full)
     lora_budget: int | None = None                 # distinct adapters its steps take (max_loras_per_batch)
+    host_slots: int | None = None                  # adapters its host cache holds (max_loaded_loras)
     active: dict[str, int] = field(default_factory=dict)   # adapter -> requests this router has in flight there
     sent_cold: dict[str, float] = field(default_factory=dict)   # adapter -> when sent cold, until reported
     tokens: float = 0.0                            # cold-load budget left
@@ -71,6 +72,7 @@ class Demand:
     seen: float = 0.0         # when `peak` was last updated
     home: int = 1             # current home-set size
     needed_since: float = 0.0  # when the home set last needed its current size
+    routed_at: float = 0.0    # its last request
 
 
 def rendezvous_score(adapter: str, replica_id: str) -> int:
@@ -84,19 +86,29 @@ class AffinityPolicy:
                  min_spill_load: int | None = None,
                  max_home: int | None = None, cooldown_s: float = 30.0, demand_half_life_s: float = 10.0,
                  cold_loads_per_s: float = 2.0, cold_burst: float = 4.0, sent_cold_ttl_s: float = 5.0,
+                 short_cache_ratio: float | None = 0.5, short_home_share: float = 0.25, short_cold_spill_factor: float = 3.0,
+                 live_s: float = 60.0,
                  clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None):
         if not 0 < home_share <= 1:
             raise ValueError(f"home_share must be in (0, 1], got {home_share!r}")
         if not 1 <= load_factor <= cold_spill_factor:
             raise ValueError(f"need 1 <= load_factor <= cold_spill_factor, got {load_factor!r} and "
                              f"{cold_spill_factor!r}")
+        if short_cache_ratio is not None and short_cache_ratio <= 0:
+            raise ValueError(f"short_cache_ratio must be > 0 or None (never short), got {short_cache_ratio!r}")
+        if not 0 < short_home_share <= 1 or short_cold_spill_factor < 1 or live_s <= 0:
+            raise ValueError(f"need 0 < short_home_share <= 1, short_cold_spill_factor >= 1 and live_s > 0, got "
+                             f"{short_home_share!r}, {short_cold_spill_factor!r} and {live_s!r}")
         if max_home is not None and max_home < 1:
             raise ValueError(f"max_home must be >= 1 or None, got {max_home!r}")
         self.home_share, self.min_spill_load = home_share, min_spill_load
         self.load_factor, self.cold_spill_factor = load_factor, cold_spill_factor
         self.max_home, self.cooldown_s, self.half_life_s = max_home, cooldown_s, demand_half_life_s
         self.cold_rate, self.cold_burst, self.sent_cold_ttl_s = cold_loads_per_s, cold_burst, sent_cold_ttl_s
+        self.short_ratio, self.live_s = short_cache_ratio, live_s
+        self.short_knobs = (min(home_share, short_home_share), max(cold_spill_factor, short_cold_spill_factor))
         self.clock, self.rng = clock, rng or random.Random()
+        self._short, self._short_at = False, float("-inf")
         self.replicas: dict[str, ReplicaView] = {}
         self.in_flight: dict[str, int] = {}       # replica -> requests this router sent and not completed
         self.demand: dict[str, Demand] = {}
@@ -118,7 +130,8 @@ class AffinityPolicy:
 
     def report(self, replica_id: str, *, capacity: int | None = None, load: float | None = None,
                device: Iterable[str] = (), host: Iterable[str] = (), loading: Iterable[str] = (),
-               evicts_next: str | None = None, lora_budget: int | None = None) -> None:
+               evicts_next: str | None = None, lora_budget: int | None = None,
+               host_slots: int | None = None) -> None:
         """A replica's routing stats. Adapters it now reports resident are no longer 'sent cold'."""
         view = self.replicas.get(replica_id)
         if view is None:
@@ -128,6 +141,7 @@ class AffinityPolicy:
         view.device, view.host, view.loading = frozenset(device), frozenset(host), frozenset(loading)
         view.evicts_next = evicts_next
         view.lora_budget = lora_budget if lora_budget else view.lora_budget
+        view.host_slots = host_slots if host_slots else view.host_slots
         now = self.clock()
         view.sent_cold = {a: t for a, t in view.sent_cold.items()
                           if a not in view.device and a not in view.host and a not in view.loading
@@ -149,10 +163,11 @@ class AffinityPolicy:
         now = self.clock()
         order = self.order(adapter)
         mean = (sum(loads.values()) + 1) / len(loads)
-        k = self.home_size(adapter, now, mean)
+        home_share, cold_spill_factor = self.knobs(now)
+        k = self.home_size(adapter, now, mean, home_share)
         home, home_set = order[:k], set(order[:k])
         bound = max(self._spill_floor(), math.ceil(self.load_factor * mean))
-        cold_bound = max(bound, math.ceil(self.cold_spill_factor * mean))
+        cold_bound = max(bound, math.ceil(cold_spill_factor * mean))
 
         def warm(r: str) -> bool:
             return self.replicas[r].residency(adapter) != "cold"
@@ -221,7 +236,22 @@ class AffinityPolicy:
         of a rarely used adapter is a cold read and a second copy (default: a quarter of a replica's capacity)."""
         return self.min_spill_load if self.min_spill_load is not None else max(1, math.ceil(self._capacity() / 4))
 
-    def home_size(self, adapter: str, now: float | None = None, mean_load: float | None = None) -> int:
+    def knobs(self, now: float) -> tuple[float, float]:
+        """home_share and cold_spill_factor now. A fleet whose live adapters (routed in the last live_s) fill more
+        than short_cache_ratio of its replicas' host slots is short of cache: a second copy of an adapter then
+        evicts one that is live, and its next request reads it again (benchmarks/fleet_knobs.py at 4 replicas x
+        48 slots for 160-178 live adapters: every cold spill cost about two misses). There an adapter spreads
+        early, while its demand is small (more homes, so warm ones), and a home takes up to 3x the mean load
+        before a request spills cold."""
+        if self.short_ratio is not None and now - self._short_at >= 1.0:   # counted once a second: the router's dict holds every adapter it saw
+            slots = [v.host_slots for v in self.replicas.values()]
+            live = sum(now - d.routed_at < self.live_s for d in self.demand.values())
+            self._short = None not in slots and live > self.short_ratio * sum(slots)
+            self._short_at = now
+        return self.short_knobs if self._short else (self.home_share, self.cold_spill_factor)
+
+    def home_size(self, adapter: str, now: float | None = None, mean_load: float | None = None,
+                  home_share: float | None = None) -> int:
         """An adapter's home grows to carry its demand at `home_share` of a replica's fair share of the load (the
         mean load, at least the spill floor, at most the replica's capacity): a hot adapter spreads at any load,
         the tail stays at home (one request in flight is never a reason for a second home)."""
@@ -229,7 +259,7 @@ class AffinityPolicy:
         d = self.demand.setdefault(adapter, Demand(seen=now, needed_since=now))
         if mean_load is None:
             mean_load = (sum(self.load(r) for r in self.replicas) + 1) / len(self.replicas)
-        share = max(1.0, self.home_share * min(self._capacity(), max(self._spill_floor(), mean_load)))
+        share = max(1.0, (home_share or self.home_share) * min(self._capacity(), max(self._spill_floor(), mean_load)))
         limit = min(self.max_home or len(self.replicas), len(self.replicas))
         needed = min(limit, max(1, math.ceil(self._demand_now(adapter, now) / share)))
         if needed >= d.home:
@@ -259,6 +289,7 @@ class AffinityPolicy:
         now = self.clock()
         d = self.demand.setdefault(adapter, Demand(seen=now, needed_since=now))
         d.in_flight += 1
+        d.routed_at = now
         self._demand_now(adapter, now)
         view = self.replicas[replica_id]
         view.active[adapter] = view.active.get(adapter, 0) + 1
