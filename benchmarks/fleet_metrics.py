@@ -74,7 +74,7 @@ def placement(records: list[dict]) -> dict:
     """Where requests went against each adapter's rendezvous order over the replicas seen (what our router's home
     is; Serve's routing has none): the share served by the adapter's 1st, 2nd, ... replica, and how many
     adapters were served by more than one replica."""
-    from deployments.routing.policy import rendezvous_score
+    from deployments.routing.views import rendezvous_score
 
     served = [r for r in records if r["replica"]]
     replicas = sorted({r["replica"] for r in served})

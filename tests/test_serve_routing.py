@@ -13,7 +13,7 @@ import threading
 import pytest
 import requests
 
-from deployments.routing.policy import rendezvous_score
+from deployments.routing.views import rendezvous_score
 from factories import PROMPTS, make_adapter
 from serve_fixtures import wait_until
 

@@ -6,7 +6,9 @@ simulation (benchmarks/fleet_sim.py) drive this same class.
 - Every adapter has a home set: the first `k` replicas of its rendezvous (highest-random-weight)
   order over the live replicas. Each replica's host cache then holds its share of the adapters
   instead of every replica holding the same hot few, and a replica joining or leaving moves only
-  the adapters whose order it heads (hash order never depends on the other replicas).
+  the adapters whose order it heads (hash order never depends on the other replicas). A hot adapter
+  heads its order with the less loaded of its first two replicas (balance.py): hashing balances the
+  number of adapters per replica, not their demand.
 - `k` follows the adapter's demand (its peak in-flight requests, decayed): ceil(demand / (home_share *
   replica capacity)), at least 1, at most max_home. It grows at once and shrinks one step per
   cool-down, so a hot adapter spreads as it heats and its cold copies are not thrown away at once.
@@ -18,6 +20,8 @@ simulation (benchmarks/fleet_sim.py) drive this same class.
   cold adapters goes to replicas with tokens left, so it cannot flush one replica's hot adapters. A
   replica whose host cache would evict the last resident copy of an adapter that still has traffic
   is passed over for a cold load (the last-copy rule).
+- A fleet whose live adapters fill more than short_cache_ratio of its host slots spreads hot adapters
+  earlier and stretches a home further before a cold spill (`knobs`).
 - Base-model requests (no adapter) go to the least-loaded replica.
 
 Nothing is refused here: the ranking always lists every live replica, so a request always has a
@@ -25,60 +29,15 @@ replica to go to; the rules only order them.
 """
 from __future__ import annotations
 
-import hashlib
 import math
 import random
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-# What a replica's residency of an adapter costs a request, in queued requests: a host-memory copy
-# still needs a slot copy, a load in flight may finish before the request is admitted, a cold one
-# reads the adapter from disk first.
-RESIDENCY_COST = {"device": 0.0, "host": 0.25, "loading": 0.5, "cold": 1.0}
+from deployments.routing.balance import DemandBalance
+from deployments.routing.views import RESIDENCY_COST, Demand, ReplicaView, rendezvous_score
+
 ORDER_CACHE_SIZE = 1 << 16   # adapters whose hash order is kept (recomputed when the replicas change)
-
-
-@dataclass
-class ReplicaView:
-    """What a replica reported (record_routing_stats), plus what this router sent it since."""
-    capacity: int = 1                              # requests it runs at once (the engine's max_num_seqs)
-    load: float = 0.0                              # running + waiting requests, as it last reported
-    device: frozenset[str] = frozenset()           # adapters in device slots
-    host: frozenset[str] = frozenset()             # adapters in host memory
-    loading: frozenset[str] = frozenset()          # adapters being read from disk
-    evicts_next: str | None = None                 # what a cold load evicts now (its host cache is full)
-    lora_budget: int | None = None                 # distinct adapters its steps take (max_loras_per_batch)
-    host_slots: int | None = None                  # adapters its host cache holds (max_loaded_loras)
-    active: dict[str, int] = field(default_factory=dict)   # adapter -> requests this router has in flight there
-    sent_cold: dict[str, float] = field(default_factory=dict)   # adapter -> when sent cold, until reported
-    tokens: float = 0.0                            # cold-load budget left
-    refilled: float = 0.0                          # when tokens were last refilled
-
-    def residency(self, adapter: str) -> str:
-        if adapter in self.device:
-            return "device"
-        if adapter in self.host:
-            return "host"
-        if adapter in self.loading or adapter in self.sent_cold:
-            return "loading"
-        return "cold"
-
-
-@dataclass
-class Demand:
-    in_flight: int = 0        # requests routed and not completed
-    peak: float = 0.0         # in-flight peak, decayed with demand_half_life_s
-    seen: float = 0.0         # when `peak` was last updated
-    home: int = 1             # current home-set size
-    needed_since: float = 0.0  # when the home set last needed its current size
-    routed_at: float = 0.0    # its last request
-
-
-def rendezvous_score(adapter: str, replica_id: str) -> int:
-    """Highest-random-weight hashing: the same in every process (Python's hash() is salted)."""
-    digest = hashlib.blake2b(f"{adapter}\0{replica_id}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big")
 
 
 class AffinityPolicy:
@@ -87,7 +46,7 @@ class AffinityPolicy:
                  max_home: int | None = None, cooldown_s: float = 30.0, demand_half_life_s: float = 10.0,
                  cold_loads_per_s: float = 2.0, cold_burst: float = 4.0, sent_cold_ttl_s: float = 5.0,
                  short_cache_ratio: float | None = 0.5, short_home_share: float = 0.25, short_cold_spill_factor: float = 3.0,
-                 live_s: float = 60.0,
+                 live_s: float = 60.0, balance_min_share: float | None = 0.05,
                  clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None):
         if not 0 < home_share <= 1:
             raise ValueError(f"home_share must be in (0, 1], got {home_share!r}")
@@ -109,6 +68,8 @@ class AffinityPolicy:
         self.short_knobs = (min(home_share, short_home_share), max(cold_spill_factor, short_cold_spill_factor))
         self.clock, self.rng = clock, rng or random.Random()
         self._short, self._short_at = False, float("-inf")
+        # hot adapters placed on the less loaded of their first two replicas (balance.py); None: hash order only
+        self.balance = DemandBalance(min_share=balance_min_share) if balance_min_share is not None else None
         self.replicas: dict[str, ReplicaView] = {}
         self.in_flight: dict[str, int] = {}       # replica -> requests this router sent and not completed
         self.demand: dict[str, Demand] = {}
@@ -162,6 +123,9 @@ class AffinityPolicy:
             return sorted(loads, key=lambda r: (loads[r], self.rng.random()))
         now = self.clock()
         order = self.order(adapter)
+        if self.balance is not None:
+            self.balance.refresh(now, self.order, len(self.replicas))
+            order = self.balance.order(adapter, order)
         mean = (sum(loads.values()) + 1) / len(loads)
         home_share, cold_spill_factor = self.knobs(now)
         k = self.home_size(adapter, now, mean, home_share)
@@ -290,6 +254,8 @@ class AffinityPolicy:
         d = self.demand.setdefault(adapter, Demand(seen=now, needed_since=now))
         d.in_flight += 1
         d.routed_at = now
+        if self.balance is not None:
+            self.balance.arrived(adapter, now)
         self._demand_now(adapter, now)
         view = self.replicas[replica_id]
         view.active[adapter] = view.active.get(adapter, 0) + 1

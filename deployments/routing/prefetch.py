@@ -17,7 +17,7 @@ import asyncio
 import logging
 from typing import Awaitable, Callable
 
-from deployments.routing.policy import rendezvous_score
+from deployments.routing.views import rendezvous_score
 
 logger = logging.getLogger("ray.serve")
 
