@@ -289,37 +289,3 @@ def test_the_short_cache_mode_ends_when_the_live_adapters_fit_again():
         fresh.routed(a, fresh.rank(a)[0])
     clock.now += 1.5
     assert fresh.knobs(clock.now) == (fresh.home_share, fresh.cold_spill_factor)
-
-
-def hot_pair(p: AffinityPolicy) -> tuple[str, str]:
-    """Two adapters whose rendezvous orders start with the same replica."""
-    first = {}
-    for a in ADAPTERS:
-        head = p.order(a)[0]
-        if head in first:
-            return first[head], a
-        first[head] = a
-    raise AssertionError("no two adapters share a first replica")
-
-
-def test_two_hot_adapters_with_one_hash_first_replica_are_placed_apart_and_stay_there():
-    heads = {}
-    for share in (0.05, None):
-        p, clock = policy(replicas=4, balance_min_share=share)
-        a, b = hot_pair(p)
-        for _ in range(40):            # a and b carry the traffic; a tail adapter now and then
-            for adapter in (a, a, b, ADAPTERS[500 + _]):
-                replica = p.rank(adapter)[0]
-                p.routed(adapter, replica)
-                p.completed(adapter, replica)
-            clock.now += 0.25
-        heads[share] = [(p.rank(a)[0], p.rank(b)[0], p.rank(ADAPTERS[999])[0], p.order(ADAPTERS[999])[0])]
-        for _ in range(8):             # later re-placements with the same traffic keep the placement
-            clock.now += 1.5
-            heads[share].append((p.rank(a)[0], p.rank(b)[0], p.rank(ADAPTERS[999])[0], p.order(ADAPTERS[999])[0]))
-        assert len(set(heads[share])) == 1
-    a_home, b_home, tail_home, tail_hash_first = heads[0.05][0]
-    assert a_home != b_home                     # the colder of the two went to its second replica
-    assert tail_home == tail_hash_first         # an adapter without traffic keeps its hash-first replica
-    a_home, b_home, _, _ = heads[None][0]
-    assert a_home == b_home                     # hash order alone: one replica carries both

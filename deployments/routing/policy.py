@@ -6,9 +6,7 @@ simulation (benchmarks/fleet_sim.py) drive this same class.
 - Every adapter has a home set: the first `k` replicas of its rendezvous (highest-random-weight)
   order over the live replicas. Each replica's host cache then holds its share of the adapters
   instead of every replica holding the same hot few, and a replica joining or leaving moves only
-  the adapters whose order it heads (hash order never depends on the other replicas). A hot adapter
-  heads its order with the less loaded of its first two replicas (balance.py): hashing balances the
-  number of adapters per replica, not their demand.
+  the adapters whose order it heads (hash order never depends on the other replicas).
 - `k` follows the adapter's demand (its peak in-flight requests, decayed): ceil(demand / (home_share *
   replica capacity)), at least 1, at most max_home. It grows at once and shrinks one step per
   cool-down, so a hot adapter spreads as it heats and its cold copies are not thrown away at once.
@@ -34,7 +32,6 @@ import random
 import time
 from typing import Callable, Iterable
 
-from deployments.routing.balance import DemandBalance
 from deployments.routing.views import RESIDENCY_COST, Demand, ReplicaView, rendezvous_score
 
 ORDER_CACHE_SIZE = 1 << 16   # adapters whose hash order is kept (recomputed when the replicas change)
@@ -46,7 +43,7 @@ class AffinityPolicy:
                  max_home: int | None = None, cooldown_s: float = 30.0, demand_half_life_s: float = 10.0,
                  cold_loads_per_s: float = 2.0, cold_burst: float = 4.0, sent_cold_ttl_s: float = 5.0,
                  short_cache_ratio: float | None = 0.5, short_home_share: float = 0.25, short_cold_spill_factor: float = 3.0,
-                 live_s: float = 60.0, balance_min_share: float | None = 0.05,
+                 live_s: float = 60.0,
                  clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None):
         if not 0 < home_share <= 1:
             raise ValueError(f"home_share must be in (0, 1], got {home_share!r}")
@@ -68,8 +65,6 @@ class AffinityPolicy:
         self.short_knobs = (min(home_share, short_home_share), max(cold_spill_factor, short_cold_spill_factor))
         self.clock, self.rng = clock, rng or random.Random()
         self._short, self._short_at = False, float("-inf")
-        # hot adapters placed on the less loaded of their first two replicas (balance.py); None: hash order only
-        self.balance = DemandBalance(min_share=balance_min_share) if balance_min_share is not None else None
         self.replicas: dict[str, ReplicaView] = {}
         self.in_flight: dict[str, int] = {}       # replica -> requests this router sent and not completed
         self.demand: dict[str, Demand] = {}
@@ -123,9 +118,6 @@ class AffinityPolicy:
             return sorted(loads, key=lambda r: (loads[r], self.rng.random()))
         now = self.clock()
         order = self.order(adapter)
-        if self.balance is not None:
-            self.balance.refresh(now, self.order, len(self.replicas))
-            order = self.balance.order(adapter, order)
         mean = (sum(loads.values()) + 1) / len(loads)
         home_share, cold_spill_factor = self.knobs(now)
         k = self.home_size(adapter, now, mean, home_share)
@@ -254,8 +246,6 @@ class AffinityPolicy:
         d = self.demand.setdefault(adapter, Demand(seen=now, needed_since=now))
         d.in_flight += 1
         d.routed_at = now
-        if self.balance is not None:
-            self.balance.arrived(adapter, now)
         self._demand_now(adapter, now)
         view = self.replicas[replica_id]
         view.active[adapter] = view.active.get(adapter, 0) + 1
