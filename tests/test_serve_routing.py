@@ -90,3 +90,14 @@ def test_a_hot_adapters_burst_spreads_over_the_replicas(url):
         by_replica[r.headers[REPLICA]] = by_replica.get(r.headers[REPLICA], 0) + 1
     assert len(by_replica) == 3, by_replica
     assert max(by_replica.values()) <= 0.6 * len(responses), by_replica   # not pinned to the home replica
+
+
+def test_replicas_report_the_host_slots_the_short_cache_mode_counts(url):
+    """record_routing_stats, as the router reads it: capacity, LoRA budget and host slots (max_loaded_loras) beside
+    the residency and load."""
+    from ray import serve
+
+    from workers.config import EngineConfig
+    stats = serve.get_deployment_handle("LLMServer", app_name=APP).record_routing_stats.remote().result(timeout_s=60)
+    assert stats["capacity"] == 16 and stats["host_slots"] == EngineConfig.max_loaded_loras
+    assert stats["lora_budget"] == EngineConfig.max_loras_per_batch and "host" in stats and "load" in stats

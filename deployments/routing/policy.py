@@ -42,8 +42,8 @@ class AffinityPolicy:
                  min_spill_load: int | None = None,
                  max_home: int | None = None, cooldown_s: float = 30.0, demand_half_life_s: float = 10.0,
                  cold_loads_per_s: float = 2.0, cold_burst: float = 4.0, sent_cold_ttl_s: float = 5.0,
-                 short_cache_ratio: float | None = 0.5, short_home_share: float = 0.25, short_cold_spill_factor: float = 3.0,
-                 live_s: float = 60.0,
+                 short_cache_ratio: float | None = 0.5, short_home_share: float = 0.25,
+                 short_cold_spill_factor: float = 3.0, live_s: float = 60.0,
                  clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None):
         if not 0 < home_share <= 1:
             raise ValueError(f"home_share must be in (0, 1], got {home_share!r}")
@@ -195,11 +195,12 @@ class AffinityPolicy:
     def knobs(self, now: float) -> tuple[float, float]:
         """home_share and cold_spill_factor now. A fleet whose live adapters (routed in the last live_s) fill more
         than short_cache_ratio of its replicas' host slots is short of cache: a second copy of an adapter then
-        evicts one that is live, and its next request reads it again (benchmarks/fleet_knobs.py at 4 replicas x
-        48 slots for 160-178 live adapters: every cold spill cost about two misses). There an adapter spreads
-        early, while its demand is small (more homes, so warm ones), and a home takes up to 3x the mean load
-        before a request spills cold."""
-        if self.short_ratio is not None and now - self._short_at >= 1.0:   # counted once a second: the router's dict holds every adapter it saw
+        evicts one that is live, and its next request reads it again (benchmarks/fleet.py's 4 replicas x 48
+        slots for 160-178 live adapters, replayed in the simulation: a cold spill cost about 1.6 misses). There
+        an adapter spreads early, while its demand is small (more homes, so warm ones), and a home takes up to
+        3x the mean load before a request spills cold."""
+        # counted once a second: the router's dict holds every adapter it saw
+        if self.short_ratio is not None and now - self._short_at >= 1.0:
             slots = [v.host_slots for v in self.replicas.values()]
             live = sum(now - d.routed_at < self.live_s for d in self.demand.values())
             self._short = None not in slots and live > self.short_ratio * sum(slots)
