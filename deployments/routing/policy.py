@@ -197,8 +197,8 @@ class AffinityPolicy:
         than short_cache_ratio of its replicas' host slots is short of cache: a second copy of an adapter then
         evicts one that is live, and its next request reads it again (benchmarks/fleet.py's 4 replicas x 48
         slots for 160-178 live adapters, replayed in the simulation: a cold spill cost about 1.6 misses). There
-        an adapter spreads early, while its demand is small (more homes, so warm ones), and a home takes up to
-        3x the mean load before a request spills cold."""
+        an adapter spreads early, at short_home_share (more homes, so warm ones), and a home takes up to
+        short_cold_spill_factor x the mean load before a request spills cold."""
         # counted once a second: the router's dict holds every adapter it saw
         if self.short_ratio is not None and now - self._short_at >= 1.0:
             slots = [v.host_slots for v in self.replicas.values()]
