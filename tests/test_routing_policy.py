@@ -279,11 +279,14 @@ def test_a_fleet_short_of_host_cache_stretches_a_home_instead_of_spilling_cold()
     assert roomy[0] != home                      # 6 >= 1.15 x the mean: spills cold to the next in hash order
 
 
-def test_the_short_cache_mode_ends_when_the_live_adapters_fit_again():
+def test_the_short_cache_mode_ends_when_the_live_adapters_fit_again(caplog):
     p, clock = short_fleet()
-    assert p.knobs(clock.now) == p.short_knobs
-    clock.now += p.live_s + 1                    # nobody asked for those 25 since: not live any more
-    assert p.knobs(clock.now) == (p.home_share, p.cold_spill_factor)
+    with caplog.at_level("INFO", logger="ray.serve"):
+        assert p.knobs(clock.now) == p.short_knobs
+        clock.now += p.live_s + 1                # nobody asked for those 25 since: not live any more
+        assert p.knobs(clock.now) == (p.home_share, p.cold_spill_factor)
+    assert ["short of host cache" in m or "back to home_share" in m for m in caplog.messages] == [True, True]
+    assert "25 adapters live, 40 host slots" in caplog.messages[0]
     fresh, clock = policy(replicas=4)            # replicas that do not report their host slots: never short
     for a in ADAPTERS[:25]:
         fresh.routed(a, fresh.rank(a)[0])

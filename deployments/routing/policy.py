@@ -27,6 +27,7 @@ replica to go to; the rules only order them.
 """
 from __future__ import annotations
 
+import logging
 import math
 import random
 import time
@@ -35,6 +36,7 @@ from typing import Callable, Iterable
 from deployments.routing.views import RESIDENCY_COST, Demand, ReplicaView, rendezvous_score
 
 ORDER_CACHE_SIZE = 1 << 16   # adapters whose hash order is kept (recomputed when the replicas change)
+logger = logging.getLogger("ray.serve")
 
 
 class AffinityPolicy:
@@ -203,8 +205,14 @@ class AffinityPolicy:
         if self.short_ratio is not None and now - self._short_at >= 1.0:
             slots = [v.host_slots for v in self.replicas.values()]
             live = sum(now - d.routed_at < self.live_s for d in self.demand.values())
-            self._short = None not in slots and live > self.short_ratio * sum(slots)
-            self._short_at = now
+            short = None not in slots and live > self.short_ratio * sum(slots)
+            if short != self._short:   # in the Serve logs of the process this router runs in
+                logger.info("adapter-affinity routing: %d adapters live, %s host slots in the fleet: %s",
+                            live, sum(slots) if None not in slots else "unreported",
+                            "short of host cache (home_share %g, cold_spill_factor %g)" % self.short_knobs
+                            if short else "back to home_share %g, cold_spill_factor %g" % (
+                                self.home_share, self.cold_spill_factor))
+            self._short, self._short_at = short, now
         return self.short_knobs if self._short else (self.home_share, self.cold_spill_factor)
 
     def home_size(self, adapter: str, now: float | None = None, mean_load: float | None = None,
