@@ -15,7 +15,8 @@ import tempfile
 
 from workers.ray_utils import free_port, init_local_ray
 
-# The most any shared module asks for at once: test_serve_api's 2 replicas + a TP=2 replica's group of 3.
+# The most any shared module asks for at once: test_serve_api's (or test_serve_metrics') 2 replicas + a TP=2
+# replica's group of 3.
 NUM_CPUS = 6
 # Serve's own actors, which live as long as the cluster.
 SYSTEM_ACTORS = {"ServeController", "ProxyActor"}

@@ -1,47 +1,20 @@
-"""Serve end to end (local Ray on loopback, two LLMServer replicas): the openai client, DeploymentHandle
-calls, hot-load / unload across replicas, errors, client disconnects, health / models / metrics."""
+"""Serve end to end (local Ray on loopback, the two LLMServer replicas of tests/api_app.py's app): the openai
+client, DeploymentHandle calls, hot-load / unload across replicas, errors, client disconnects (health, models
+and metrics: test_serve_metrics.py)."""
 from __future__ import annotations
 
 import concurrent.futures
-import time
 
-import openai
 import pytest
 import requests
 
-from factories import PROMPTS, make_adapter
+from api_app import BASE, MAX_MODEL_LEN, MAX_RANK, client, files, url  # noqa: F401 (fixtures)
+from factories import PROMPTS
 from serve_fixtures import wait_until
 from workers import EngineConfig, LLMEngine, SamplingParams
 
-APP, BASE = "api", "tiny"
-MAX_MODEL_LEN, MAX_RANK = 512, 8
+APP = "api"
 REPLICA = "x-loraserve-replica"
-
-
-@pytest.fixture(scope="module")
-def files(model_dir, tmp_path_factory):
-    model = model_dir("qwen3")
-    root = tmp_path_factory.mktemp("serve_adapters")
-    return {"model": model,
-            "a": make_adapter(model, root / "a", r=8, seed=1),
-            "hot": make_adapter(model, root / "hot", r=4, seed=2, target_modules=("q_proj", "o_proj", "up_proj")),
-            "too_big": make_adapter(model, root / "too_big", r=16, seed=3),
-            "v1": make_adapter(model, root / "v1", r=8, seed=4), "v2": make_adapter(model, root / "v2", r=8, seed=5)}
-
-
-@pytest.fixture(scope="module")
-def url(files, shared_serve):
-    from ray import serve
-
-    from deployments.app import build_app
-
-    # max_ongoing_requests=2: a burst overflows the replica holding an adapter, so both replicas serve.
-    # A 0.1 s heartbeat: the disconnect test must see, in the replicas' stats, a stream that lasts ~2 s here
-    serve.run(build_app(dict(model=str(files["model"]), served_model_name=BASE, adapters={"a": str(files["a"])},
-                             device="cpu", max_model_len=MAX_MODEL_LEN, max_lora_rank=MAX_RANK, num_replicas=2,
-                             max_ongoing_requests=2, enable_hotload=True, registry_sync_interval_s=0.1)),
-              name=APP, route_prefix="/")
-    return shared_serve
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +23,6 @@ def reference(files):
                                     max_lora_rank=MAX_RANK))
     engine.load_adapter("a", str(files["a"]))
     return engine
-
-
-def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def ids(tokens: list[str]) -> list[int]:
@@ -252,94 +221,6 @@ def test_client_disconnect_mid_stream_aborts_and_releases(url):
     aborted = 'requests_total{kind="lora",outcome="abort"'
     wait_until(lambda: totals(aborted) >= aborted_before + 1, 10, "the abort to be counted")
     assert totals(aborted) == aborted_before + 1
-
-
-def test_health_models_and_metrics(url):
-    assert requests.get(f"{url}/health", timeout=30).json() == {"status": "ok"}
-    models = requests.get(f"{url}/v1/models", timeout=30).json()["data"]
-    assert [m["id"] for m in models] == [BASE, "a"] and models[1]["parent"] == BASE
-    text = requests.get(f"{url}/metrics", timeout=30).text
-    for name in ("requests_total", "generated_tokens_total", "adapter_loads_total", "adapter_load_seconds_count",
-                 "lora_host_cache_hits_total", "lora_host_cache_misses_total", "lora_slot_hits_total",
-                 "lora_slot_misses_total", "kv_cache_free_blocks"):
-        assert f"# TYPE loraserve_{name} " in text, name
-    assert text.count(f'model="{BASE}",replica=') >= 2 * 9
-
-
-def scrape(url: str) -> dict[str, dict[tuple, float]]:
-    """GET /metrics as Prometheus parses it: sample name -> {sorted labels: value}."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: dict[str, dict[tuple, float]] = {}
-    for family in text_string_to_metric_families(requests.get(f"{url}/metrics", timeout=30).text):
-        for sample in family.samples:
-            out.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
-    return out
-
-
-def vllm_value(metrics: dict, name: str, **labels: str) -> float:
-    """A sample of the application's vLLM series (model_name, engine "0")."""
-    return metrics.get(f"vllm:{name}", {}).get(tuple(sorted(dict(model_name=BASE, engine="0", **labels).items())), 0)
-
-
-def test_vllm_metrics_count_the_requests_made(url):
-    """vLLM's names, summed over both replicas: counters and histogram counts advance by what was served."""
-    def ended(metrics: dict) -> float:
-        return sum(vllm_value(metrics, "request_success_total", finished_reason=r)
-                   for r in ("stop", "length", "abort", "error"))
-
-    def settled() -> dict | None:   # every earlier request counted: two heartbeats agree
-        first = scrape(url)
-        time.sleep(0.3)
-        second = scrape(url)
-        return second if ended(first) == ended(second) else None
-
-    before, c, k = wait_until(settled, 30, "the replicas' counts to settle"), client(url), 6
-    usage = []
-    for i, model in enumerate([BASE, f"{BASE}:a", BASE, f"{BASE}:a"]):
-        kw = dict(model=model, prompt=PROMPTS[i], max_tokens=k, temperature=0.0, extra_body={"ignore_eos": True})
-        if i % 2:
-            usage.append(list(c.completions.create(**kw, stream=True, stream_options={"include_usage": True}))[-1].usage)
-        else:
-            usage.append(c.completions.create(**kw).usage)
-    assert [u.completion_tokens for u in usage] == [k] * 4
-    after = wait_until(lambda: m if ended(m := scrape(url)) >= ended(before) + 4 else None, 30, "4 more ends")
-
-    def delta(name: str, **labels: str) -> float:
-        return vllm_value(after, name, **labels) - vllm_value(before, name, **labels)
-
-    assert (ended(after) - ended(before), delta("request_success_total", finished_reason="length")) == (4, 4)
-    assert delta("generation_tokens_total") == 4 * k
-    assert delta("prompt_tokens_total") == sum(u.prompt_tokens for u in usage)
-    for name, count in [("time_to_first_token_seconds", 4), ("e2e_request_latency_seconds", 4),
-                        ("request_queue_time_seconds", 4), ("request_prompt_tokens", 4),
-                        ("request_generation_tokens", 4), ("inter_token_latency_seconds", 4 * (k - 1))]:
-        assert delta(f"{name}_count") == count, name
-        assert delta(f"{name}_bucket", le="+Inf") == count, name
-    assert (delta("request_generation_tokens_bucket", le="5.0"), delta("request_generation_tokens_bucket", le="10.0"),
-            delta("request_generation_tokens_sum")) == (0, 4, 4 * k)
-    assert delta("e2e_request_latency_seconds_sum") >= delta("time_to_first_token_seconds_sum") > 0
-    assert 0 <= vllm_value(after, "kv_cache_usage_perc") <= 1 and "vllm:num_requests_waiting" in after
-
-
-def test_lora_requests_info_shows_a_running_adapter_and_keeps_it_after(url):
-    """What llm-d's LoRA-affinity scorer reads: the vllm:lora_requests_info series with the latest value."""
-    def now() -> dict[str, str]:
-        info = scrape(url)["vllm:lora_requests_info"]
-        return dict(max(info, key=info.get))
-
-    stream = client(url).completions.create(model=f"{BASE}:a", prompt="Hello", max_tokens=MAX_MODEL_LEN - 16,
-                                            temperature=0, stream=True, extra_body={"ignore_eos": True})
-    chunks = iter(stream)
-    next(chunks)
-    running = wait_until(lambda: info if (info := now())["running_lora_adapters"] == "a" else None, 30,
-                         "the application's series to name the running adapter")
-    stream.close()
-    assert "replica" not in running and int(running["max_lora"]) > 0
-    wait_until(lambda: now()["running_lora_adapters"] == "", 30, "the adapter to stop running")
-    kept = [dict(k) for k in scrape(url)["vllm:lora_requests_info"]]
-    assert any(k.get("replica") and k["running_lora_adapters"] == "a" and 2 * int(k["max_lora"]) ==
-               int(running["max_lora"]) for k in kept), kept
 
 
 def test_hotload_without_adapter_roots_warns_at_start(url):
