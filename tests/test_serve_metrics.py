@@ -27,12 +27,15 @@ def test_health_models_and_metrics(url, files):
         done = list(pool.map(lambda m: client(url).completions.create(model=m, prompt="Hello", max_tokens=4),
                              [BASE, f"{BASE}:a", f"{BASE}:hot"] * 2))
     assert all(c.usage.completion_tokens == 4 for c in done)
-    text = requests.get(f"{url}/metrics", timeout=30).text
-    for name in ("requests_total", "generated_tokens_total", "adapter_loads_total", "adapter_load_seconds_count",
-                 "lora_host_cache_hits_total", "lora_host_cache_misses_total", "lora_slot_hits_total",
-                 "lora_slot_misses_total", "kv_cache_free_blocks"):
-        assert f"# TYPE loraserve_{name} " in text, name
-    assert text.count(f'model="{BASE}",replica=') >= 2 * 9
+    names = ("requests_total", "generated_tokens_total", "adapter_loads_total", "adapter_load_seconds_count",
+             "lora_host_cache_hits_total", "lora_host_cache_misses_total", "lora_slot_hits_total",
+             "lora_slot_misses_total", "kv_cache_free_blocks")
+
+    def complete_metrics() -> bool:   # the replicas' series reach /metrics with their next heartbeats
+        text = requests.get(f"{url}/metrics", timeout=30).text
+        # every series, and each of the nine with both replicas' labelled samples
+        return all(f"# TYPE loraserve_{n} " in text for n in names) and text.count(f'model="{BASE}",replica=') >= 2 * 9
+    wait_until(complete_metrics, 30, f"{', '.join(names)} from both replicas in /metrics")
     unload = requests.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "hot"}, timeout=120)
     assert unload.status_code == 200, unload.text
 
