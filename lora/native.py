@@ -1,8 +1,8 @@
-"""Builds and loads the repo's small C kernels (lora/backends/cpu_sgmv.c, workers/cpu_attention.c; native.h).
+"""Builds and loads the repo's small C kernels (lora/backends/cpu_sgmv.c, workers/cpu_attention.c; native.h, vec.h).
 
 Plain C, no torch headers: the system C compiler builds one in about a second, on first use,
 into `.cache/kernels/` of the checkout (installed: ~/.cache/loraserve/kernels; or
-LORASERVE_KERNEL_DIR), keyed by the source, the header, the flags and the CPU. `-fopenmp` links libgomp.so.1, which resolves to the copy torch has already
+LORASERVE_KERNEL_DIR), keyed by the source, the headers it includes, the flags and the CPU. `-fopenmp` links libgomp.so.1, which resolves to the copy torch has already
 loaded: a kernel's threads are torch's own pool (a pool of its own would fight torch's
 spinning workers for the cores). If there is no compiler, or LORASERVE_CPU_KERNEL=0, `load`
 returns None, a warning says why, and the callers use torch ops (same results, slower).
@@ -18,6 +18,7 @@ import logging
 import mmap
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -39,7 +40,7 @@ def constant_result(fn):
 
 
 FLAGS = ("-O3", "-fopenmp", "-ffp-contract=fast", "-shared", "-fPIC")
-HEADER = Path(__file__).with_name("native.h")   # included by every kernel: part of each build's key
+_INCLUDE = re.compile(rb'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 _lock = threading.Lock()
 _loaded: dict[Path, ctypes.CDLL | None] = {}
 
@@ -63,10 +64,24 @@ def _cpu_flags() -> str:
         return ""
 
 
+def _sources(source: Path) -> list[bytes]:
+    """The source and every local header it includes (`#include "..."`, recursively), each once: a change to any
+    of them rebuilds the kernel."""
+    seen, todo, texts = set(), [source.resolve()], []
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        text = path.read_bytes()
+        texts.append(text)
+        todo.extend((path.parent / name.decode()).resolve() for name in _INCLUDE.findall(text))
+    return texts
+
+
 def _build(source: Path) -> Path:
     flags = (*FLAGS, f"-march={os.environ.get('LORASERVE_KERNEL_ARCH', 'native')}")
-    parts = (source.read_bytes(), HEADER.read_bytes(), " ".join(flags).encode(), platform.machine().encode(),
-             _cpu_flags().encode())
+    parts = (*_sources(source), " ".join(flags).encode(), platform.machine().encode(), _cpu_flags().encode())
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     target = _cache_dir() / f"{source.stem}-{key}.so"
     if target.exists():

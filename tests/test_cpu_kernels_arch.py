@@ -29,9 +29,11 @@ def test_the_code_paths_of_older_cpus_match_too(arch, tmp_path):
         pytest.skip("this CPU cannot execute AVX-512 code (e.g. an AMD EPYC without it): it would die of SIGILL")
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(TESTS / "test_cpu_sgmv.py"),
-         str(TESTS / "test_cpu_attention.py"), str(TESTS / "test_cpu_ops.py"), "-k", "matches"],
+         str(TESTS / "test_cpu_attention.py"), str(TESTS / "test_cpu_ops.py"), str(TESTS / "test_moe_fused.py"),
+         "-k", "matches"],
         cwd=TESTS.parent, text=True, capture_output=True, timeout=300,
         env={**os.environ, "LORASERVE_KERNEL_ARCH": arch, "LORASERVE_KERNEL_DIR": str(tmp_path)})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert "passed" in done.stdout and "deselected" in done.stdout
-    assert {p.name.split("-")[0] for p in tmp_path.glob("*.so")} == {"cpu_sgmv", "cpu_attention", "cpu_ops"}
+    built = {p.name.split("-")[0] for p in tmp_path.glob("*.so")}
+    assert built == {"cpu_sgmv", "cpu_attention", "cpu_ops", "cpu_moe", "cpu_moe_fused"}

@@ -10,6 +10,7 @@ fallback when the kernel is off.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lora import native
 from lora.backends import cpu_sgmv
 from lora.batch import KernelGroups
 from lora_reference import OpLog, make_linear_buffers, ref_add_lora
@@ -230,3 +232,18 @@ def test_more_stacked_slices_than_the_fast_path_holds():
     expected = ref_add_lora(y.double(), x, a, b, offsets, token_slots)
     sgmv_add(y, x, a, b, offsets, _groups(token_slots, ranks))
     torch.testing.assert_close(y.double(), expected, rtol=2e-2, atol=6e-2)
+
+
+def test_a_kernel_is_rebuilt_when_a_header_it_includes_changes(tmp_path, monkeypatch):
+    """lora/native.py keys each build by the source and every local header it includes, recursively (vec.h includes
+    native.h): an edited header must not load a stale library."""
+    monkeypatch.setenv("LORASERVE_KERNEL_DIR", str(tmp_path / "kernels"))
+    (tmp_path / "inner.h").write_text("#define VALUE 1\n")
+    (tmp_path / "outer.h").write_text('#include "inner.h"\n')
+    source = tmp_path / "k.c"
+    source.write_text('#include "outer.h"\nint value(void) { return VALUE; }\n')
+    first = native._build(source)
+    assert native._build(source) == first
+    (tmp_path / "inner.h").write_text("#define VALUE 2\n")
+    second = native._build(source)
+    assert second != first and ctypes.CDLL(str(second)).value() == 2

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from lora import native
-from workers.models import cpu_moe
+from workers.models import cpu_moe, moe_fused
 from workers.models.llama import MLP
 from workers.parallel import PACK_BATCH_HINT, TPGroup, _divide, _narrow, linear
 
@@ -175,12 +175,25 @@ class MoeExperts(nn.Module):
     def combine(y: torch.Tensor, rows: ExpertRows, num_tokens: int) -> torch.Tensor:
         if rows.dispatch is not None:
             return rows.dispatch.finalize(y)
+        if rows.offsets is not None and moe_fused.applies(y):   # index_add_'s sum in one C pass
+            return moe_fused.combine(y.contiguous(), rows.token, rows.weight, num_tokens)
         out = y.new_zeros(num_tokens, y.shape[1])
         return out.index_add_(0, rows.token, y * rows.weight.unsqueeze(1))
 
     def forward(self, x: torch.Tensor, rows: ExpertRows, lora=None) -> torch.Tensor:
+        w13, w2 = self.gate_up_proj, self.down_proj
+        if rows.offsets is not None and w13.grouped(x) and moe_fused.fits(x, w13.weight, rows.token.shape[0]):
+            # decode: gather, both projections, SiLU-and-mul and the combine in one call
+            return moe_fused.experts(x, w13.weight, w2.weight, rows.offsets, rows.token, rows.weight)
         xs = self.gather(x, rows)
         return self.combine(self.down(self.act(self.gate_up(xs, rows)), rows), rows, x.shape[0])
+
+
+def route_grouped(logits: torch.Tensor, top_k: int, normalize: bool) -> ExpertRows:
+    """group_rows' grouped form straight from the router's logits (HF's softmax, top-k and renormalisation), in
+    one C call (workers/models/moe_fused.py)."""
+    weight, token, expert, offsets = moe_fused.route(logits, top_k, normalize)
+    return ExpertRows(token, expert, weight, None, offsets=offsets)
 
 
 def group_rows(weights: torch.Tensor, ids: torch.Tensor, num_experts: int, graph_safe: bool,

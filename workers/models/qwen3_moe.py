@@ -20,9 +20,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.forward_batch import ForwardBatch
+from workers.models import moe_fused
 from workers.models.llama import MLP, LlamaForCausalLM
 from workers.models.loader import _target
-from workers.models.moe_experts import GroupedLinear, MoeExperts, group_rows, num_experts
+from workers.models.moe_experts import GroupedLinear, MoeExperts, group_rows, num_experts, route_grouped
 from workers.parallel import TPGroup
 
 # checkpoint keys of the experts: per expert (as saved, as on the Hub) or fused (transformers 5.x in memory)
@@ -64,6 +65,8 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         if self.kernel is not None:
             rows = self.kernel.route(x, self.gate, self.experts.num_experts)
+        elif self.experts.gate_up_proj.grouped(x) and moe_fused.applies(x):   # the softmax, top-k and sort in C
+            rows = route_grouped(F.linear(x, self.gate.weight), self.gate.top_k, self.gate.norm_topk_prob)
         else:
             weights, ids = self.gate(x)
             rows = group_rows(weights, ids, self.experts.num_experts, batch.graph_safe or self._graph_lora(batch),

@@ -1,0 +1,183 @@
+/* A MoE block's routing and its decode-sized expert work on the CPU, each in one call (built by lora/native.py):
+ *
+ *   moe_route:   the router's logits -> fp32 softmax, top-k, renormalised if asked, the weights cast to the
+ *                dtype (HF's Qwen3-MoE router), and the (token, choice) rows sorted by expert (stable: by token
+ *                within one) with the cumulative row counts per expert: what moe_experts.py's group_rows makes
+ *                of torch.softmax / topk / argsort / searchsorted, in one pass instead of ~8 ops.
+ *   moe_experts: for every active expert, its rows of x gathered, gate_up, SiLU-and-mul, down (the same vector
+ *                block as cpu_moe.c's grouped GEMM, on the same [E, out, in] weights), then every token's rows
+ *                weighted and summed: the block's partial output in one parallel region.
+ *   moe_combine: that weighted sum alone (the paths that keep the projections apart: expert LoRA, prefill).
+ *
+ * Why: at decode a MoE layer streams ~190 MB of expert weights (Qwen3-30B-A3B's shape, 16 tokens) and every small
+ * op between the streams runs on cold caches at 3-28x its isolated time (RESULTS.md, "What a small op costs after
+ * a weight stream"): the router's softmax and top-k, the sort, the gather, SiLU-and-mul and the combine were ~9
+ * calls and ~1 ms a layer. Here they are two calls, and the experts' three steps one parallel region.
+ *
+ * Exactness: every value the torch path rounds to the dtype is rounded at the same point (gate_up and down
+ * outputs, silu, its product, the weighted row, each add of the combine: index_add_'s order, rows ascending), so
+ * moe_experts and moe_combine give the unfused path's bits; moe_route differs from torch's softmax only in exp's
+ * last bit (ties in the top-k go to the lower expert id).
+ */
+#include "../../lora/vec.h"
+#include "moe_gemm.h"
+
+typedef struct {
+    const void *logits;          /* [tokens, num_experts], the dtype */
+    int64_t tokens, num_experts, top_k, normalize;
+    void *weight;                /* [tokens * top_k] out, the dtype: each sorted row's routing weight */
+    int64_t *token, *expert;     /* [tokens * top_k] out: each sorted row's token and expert */
+    int64_t *offsets;            /* [num_experts + 1] out: cumulative rows per expert */
+} route_args;
+
+#define DEFINE_ROUTE(NAME, T, LOAD, STORE)                                                                 \
+int NAME(const route_args *a) {                                                                          \
+    const int64_t n = a->tokens, E = a->num_experts, K = a->top_k;                                       \
+    if (E < 1 || K < 1 || K > E || n < 0) return OUT_OF_RANGE;                                           \
+    float *p = malloc(sizeof(float) * (E + n * K));                                                      \
+    int64_t *ids = malloc(sizeof(int64_t) * (n * K + 1)), *cursor = calloc(E + 1, sizeof(int64_t));      \
+    char *taken = malloc(E);                                                                             \
+    if (!p || !ids || !cursor || !taken) {                                                               \
+        free(p); free(ids); free(cursor); free(taken);                                                   \
+        return OUT_OF_MEMORY;                                                                            \
+    }                                                                                                    \
+    float *chosen = p + E;                                                                               \
+    for (int64_t t = 0; t < n; t++) {                                                                    \
+        const T *l = (const T *)a->logits + t * E;                                                       \
+        float top = LOAD(l[0]), sum = 0.f;                                                               \
+        for (int64_t e = 1; e < E; e++) top = LOAD(l[e]) > top ? LOAD(l[e]) : top;                       \
+        for (int64_t e = 0; e < E; e++) sum += p[e] = expf(LOAD(l[e]) - top);                            \
+        for (int64_t e = 0; e < E; e++) p[e] /= sum;                                                     \
+        memset(taken, 0, E);                                                                             \
+        float kept = 0.f;                                                                                \
+        for (int64_t j = 0; j < K; j++) {   /* the k largest, ties to the lower id (k <= E: a scan each) */ \
+            int64_t best = -1;                                                                           \
+            for (int64_t e = 0; e < E; e++)                                                              \
+                if (!taken[e] && (best < 0 || p[e] > p[best])) best = e;                                 \
+            taken[best] = 1;                                                                             \
+            ids[t * K + j] = best;                                                                       \
+            kept += chosen[t * K + j] = p[best];                                                         \
+            cursor[best + 1]++;                                                                          \
+        }                                                                                                \
+        if (a->normalize)                                                                                \
+            for (int64_t j = 0; j < K; j++) chosen[t * K + j] /= kept;                                   \
+    }                                                                                                    \
+    for (int64_t e = 0; e < E; e++) cursor[e + 1] += cursor[e];                                          \
+    memcpy(a->offsets, cursor, sizeof(int64_t) * (E + 1));                                               \
+    for (int64_t i = 0; i < n * K; i++) {   /* counting sort: rows of one expert keep the tokens' order */ \
+        const int64_t row = cursor[ids[i]]++;                                                            \
+        a->token[row] = i / K;                                                                           \
+        a->expert[row] = ids[i];                                                                         \
+        ((T *)a->weight)[row] = STORE(chosen[i]);                                                        \
+    }                                                                                                    \
+    free(p); free(ids); free(cursor); free(taken);                                                       \
+    return 0;                                                                                            \
+}
+DEFINE_ROUTE(moe_route_bf16, uint16_t, bf16_load, bf16_store)
+DEFINE_ROUTE(moe_route_f32, float, f32_load, f32_store)
+
+typedef struct {
+    const void *x;               /* [tokens, hidden], row stride x_stride */
+    int64_t x_stride, tokens, hidden, inter, num_experts;
+    const void *w13, *w2;        /* [E, 2 inter, hidden] (gate rows, then up rows), [E, hidden, inter] */
+    const int64_t *offsets, *token;   /* the sorted rows: moe_route's */
+    const void *weight;
+    int64_t num_rows;
+    void *rows_out;              /* [num_rows, hidden] scratch: each row's down output */
+    void *out;                   /* [tokens, hidden] out */
+} experts_args;
+
+/* out[t] = round(the fp32 sum over t's rows n, ascending, of round(y[n] * weight[n])), zero for a token without
+ * rows: index_add_'s result (it accumulates a bf16 self in fp32 and rounds once); columns [c0, c1) only, at most
+ * COMBINE_CHUNK (threads split the columns: each element keeps its order). No fused multiply-add: torch rounds the
+ * product before the sum, in fp32 too. 1 when the accumulators' scratch could not be had. */
+#define COMBINE_CHUNK 256
+#define DEFINE_COMBINE_COLUMNS(NAME, T, LOAD, LD, ROUND, ST)                                               \
+__attribute__((optimize("fp-contract=off")))                                                             \
+static int NAME(const T *y, const int64_t *token, const T *weight, int64_t num_rows, int64_t tokens,       \
+                int64_t H, T *out, int64_t c0, int64_t c1) {                                             \
+    const int64_t C = c1 - c0;                                                                           \
+    float *acc = calloc(tokens * C + 1, sizeof(float));                                                  \
+    if (!acc) return 1;                                                                                  \
+    for (int64_t n = 0; n < num_rows; n++) {                                                             \
+        const vf w = v_set(LOAD(weight[n]));                                                             \
+        float *s = acc + token[n] * C;                                                                   \
+        for (int64_t d = 0; d < C; d += W) {                                                             \
+            const int k = (int)(C - d);                                                                  \
+            st_f32(s + d, v_add(ld_f32(s + d, k), ROUND(v_mul(LD(y + n * H + c0 + d, k), w))), k);      \
+        }                                                                                                \
+    }                                                                                                    \
+    for (int64_t t = 0; t < tokens; t++)                                                                 \
+        for (int64_t d = 0; d < C; d += W)                                                               \
+            ST(out + t * H + c0 + d, ld_f32(acc + t * C + d, (int)(C - d)), (int)(C - d));               \
+    free(acc);                                                                                           \
+    return 0;                                                                                            \
+}
+DEFINE_COMBINE_COLUMNS(combine_columns_bf16, uint16_t, bf16_load, ld_bf16, round_bf16, st_bf16)
+DEFINE_COMBINE_COLUMNS(combine_columns_f32, float, f32_load, ld_f32, round_f32, st_f32)
+
+#define DEFINE_COMBINE(NAME, T, COLUMNS)                                                                   \
+int NAME(const T *y, const int64_t *token, const T *weight, int64_t num_rows, int64_t tokens, int64_t H,  \
+         T *out) {                                                                                       \
+    for (int64_t n = 0; n < num_rows; n++)                                                               \
+        if (token[n] < 0 || token[n] >= tokens) return OUT_OF_RANGE;                                     \
+    int failed = 0;                                                                                      \
+    _Pragma("omp parallel for reduction(|:failed) if(num_rows * H > (1 << 18))")                        \
+    for (int64_t c = 0; c < H; c += COMBINE_CHUNK)                                                       \
+        failed |= COLUMNS(y, token, weight, num_rows, tokens, H, out, c,                                 \
+                          c + COMBINE_CHUNK < H ? c + COMBINE_CHUNK : H);                                \
+    return failed ? OUT_OF_MEMORY : 0;                                                                   \
+}
+DEFINE_COMBINE(moe_combine_bf16, uint16_t, combine_columns_bf16)
+DEFINE_COMBINE(moe_combine_f32, float, combine_columns_f32)
+
+/* One active expert: its rows [lo, hi) gathered into xs, gate_up into h, SiLU-and-mul into act, down into rows_out. */
+#define DEFINE_EXPERT(NAME, T, ITEM, SILU)                                                                 \
+static void NAME(const experts_args *a, int64_t e, int64_t lo, int64_t hi, T *xs, T *h, T *act) {         \
+    const int64_t H = a->hidden, I = a->inter, rows = hi - lo;                                           \
+    for (int64_t r = 0; r < rows; r++)                                                                   \
+        memcpy(xs + r * H, (const T *)a->x + a->token[lo + r] * a->x_stride, sizeof(T) * H);            \
+    const moe_args gate_up = {xs, H, H, a->w13, 2 * I, a->num_experts, NULL, h, 2 * I, rows};            \
+    ITEM(&gate_up, e, 0, 2 * I, 0, rows);                                                                \
+    for (int64_t r = 0; r < rows; r++) SILU(h + r * 2 * I, I, act + r * I);                              \
+    const moe_args down = {act, I, I, a->w2, H, a->num_experts, NULL, (T *)a->rows_out + lo * H, H, rows}; \
+    ITEM(&down, e, 0, H, 0, rows);                                                                       \
+}
+DEFINE_EXPERT(expert_bf16, uint16_t, item_bf16, silu_mul_row_bf16)
+DEFINE_EXPERT(expert_f32, float, item_f32, silu_mul_row_f32)
+
+#define DEFINE_EXPERTS(NAME, T, EXPERT, COLUMNS)                                                           \
+int NAME(const experts_args *a) {                                                                        \
+    const int64_t H = a->hidden, I = a->inter, *off = a->offsets;                                        \
+    const moe_args shape = {NULL, 0, H, NULL, 2 * I, a->num_experts, off, NULL, 0, a->num_rows};         \
+    int64_t *experts;                                                                                    \
+    const int64_t active = active_experts(&shape, &experts);                                             \
+    if (active < 0) return (int)-active;                                                                 \
+    int64_t most = 0;                                                                                    \
+    for (int64_t n = 0; n < a->num_rows; n++)                                                            \
+        if (a->token[n] < 0 || a->token[n] >= a->tokens) {                                               \
+            free(experts);                                                                               \
+            return OUT_OF_RANGE;                                                                         \
+        }                                                                                                \
+    for (int64_t i = 0; i < active; i++)                                                                 \
+        most = off[experts[i] + 1] - off[experts[i]] > most ? off[experts[i] + 1] - off[experts[i]] : most; \
+    int failed = 0;                                                                                      \
+    _Pragma("omp parallel if(active * 3 * I * H > PARALLEL_MIN) reduction(|:failed)")                   \
+    {                                                                                                    \
+        T *xs = malloc(sizeof(T) * (most * (H + 3 * I) + 1));   /* xs [most, H], h [most, 2I], act [most, I] */ \
+        if (!xs) failed = 1;                                                                             \
+        _Pragma("omp for schedule(dynamic, 1)")                                                         \
+        for (int64_t i = 0; i < active; i++)                                                             \
+            if (xs) EXPERT(a, experts[i], off[experts[i]], off[experts[i] + 1], xs, xs + most * H,       \
+                           xs + most * (H + 2 * I));                                                     \
+        free(xs);                                                                                        \
+        _Pragma("omp for")   /* after the loop's barrier: every row's down output is in rows_out */      \
+        for (int64_t c = 0; c < H; c += COMBINE_CHUNK)                                                   \
+            failed |= COLUMNS((const T *)a->rows_out, a->token, (const T *)a->weight, a->num_rows,       \
+                              a->tokens, H, (T *)a->out, c, c + COMBINE_CHUNK < H ? c + COMBINE_CHUNK : H); \
+    }                                                                                                    \
+    free(experts);                                                                                       \
+    return failed ? OUT_OF_MEMORY : 0;                                                                   \
+}
+DEFINE_EXPERTS(moe_experts_bf16, uint16_t, expert_bf16, combine_columns_bf16)
+DEFINE_EXPERTS(moe_experts_f32, float, expert_f32, combine_columns_f32)
