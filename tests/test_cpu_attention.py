@@ -100,3 +100,59 @@ def test_a_key_scoring_minus_infinity_gets_no_weight(dtype):
     assert torch.isfinite(expected[1]).all() and torch.isfinite(out[1]).all()
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
     torch.testing.assert_close(out.float(), expected.float(), **tol)
+
+
+# ---- a mixed step's prompt rows through the kernel (kv_cache.attend_as_rows) -------------------------------------
+def _prompts(dtype, chunks, kv_heads=2, group=8, head_dim=64, block_size=8, seed=3):
+    """A cache holding sequences whose chunks (start, n) are being computed: every token's K/V already written (as
+    qkv_rope writes them before attention), q for the chunks' rows, and each sequence's block table."""
+    gen = torch.Generator().manual_seed(seed)
+    tables, next_block = [], 1
+    for start, n in chunks:
+        blocks = -(-(start + n) // block_size)
+        tables.append(list(range(next_block, next_block + blocks)))
+        next_block += blocks
+    k = torch.randn(kv_heads, next_block, block_size, head_dim, generator=gen).to(dtype)
+    v = torch.randn(kv_heads, next_block, block_size, head_dim, generator=gen).to(dtype)
+    q = torch.randn(sum(n for _, n in chunks), kv_heads * group, head_dim, generator=gen).to(dtype)
+    return q, k, v, tables
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prompt_rows_through_the_kernel_match_sdpa_per_chunk(dtype):
+    from workers.kv_cache import chunk_attention, row_tables
+
+    chunks = [(0, 1), (0, 13), (5, 9), (16, 3), (0, 40)]   # (tokens already cached, new tokens)
+    q, k, v, tables = _prompts(dtype, chunks)
+    padded, lens, rows = row_tables([n for _, n in chunks], [s + n for s, n in chunks], tables)
+    out = decode_attention(q, k, v, torch.tensor(padded), torch.tensor(lens), 0.125, graph_safe=False,
+                           rows=torch.tensor(rows))
+    torch_rows = decode_attention(q, k, v, torch.tensor(padded), torch.tensor(lens), 0.125, graph_safe=True,
+                                  rows=torch.tensor(rows))
+    row, tol = 0, dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    for (start, n), table in zip(chunks, tables):
+        expected = chunk_attention(q[row:row + n], k, v, torch.tensor(table), start, 0.125)
+        torch.testing.assert_close(out[row:row + n].float(), expected.float(), **tol)
+        torch.testing.assert_close(torch_rows[row:row + n].float(), expected.float(), **tol)
+        row += n
+
+
+def test_a_row_s_table_index_out_of_range_fails():
+    q, k, v, tables = _prompts(torch.float32, [(0, 4), (0, 3)])
+    padded = torch.tensor([t + [0] * (1 - len(t)) for t in tables])
+    lens = torch.tensor([1, 2, 3, 4, 1, 2, 3])
+    for bad in ([0, 0, 0, 0, 1, 1, 2], [0, 0, 0, 0, 1, 1, -1]):
+        with pytest.raises(ValueError, match="out of range"):
+            decode_attention(q, k, v, padded, lens, 0.1, graph_safe=False, rows=torch.tensor(bad))
+    with pytest.raises(ValueError, match="table rows"):
+        decode_attention(q, k, v, padded, lens, 0.1, graph_safe=False, rows=torch.tensor([0, 1]))
+
+
+def test_which_steps_attend_as_rows():
+    from workers.kv_cache import attend_as_rows
+
+    cpu = torch.device("cpu")
+    assert attend_as_rows(cpu, torch.bfloat16, [4096, 3])                  # bf16: the kernel wins at any context
+    assert attend_as_rows(cpu, torch.float32, [64, 1]) and not attend_as_rows(cpu, torch.float32, [65])
+    assert not attend_as_rows(cpu, torch.float16, [8])                     # no code for it: SDPA
+    assert not attend_as_rows(torch.device("meta"), torch.bfloat16, [8])   # not the CPU

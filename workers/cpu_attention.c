@@ -6,8 +6,10 @@
  * blocks in place, once, for all the query heads of its group.
  *
  * Layout (workers/kv_cache.py): q and out [B, H, D] (row stride per sequence, heads D apart);
- * k_cache / v_cache [kv_heads, num_blocks, block_size, D] contiguous; block_tables [B, >= W]
- * int64 (row stride bt_stride); context_lens [B] int64. Query head h reads kv head h / group.
+ * k_cache / v_cache [kv_heads, num_blocks, block_size, D] contiguous; block_tables [S, >= W]
+ * int64 (row stride bt_stride); context_lens [B] int64; rows [B] int64 or NULL: query b reads the table
+ * rows[b] (a prompt's tokens, each a query over its own context, share their sequence's table), else b (S = B).
+ * Query head h reads kv head h / group.
  * Scores, softmax and the weighted sum are fp32; out is rounded once. A context length or a
  * block id out of range fails the call (OUT_OF_RANGE) instead of reading past the cache.
  */
@@ -31,7 +33,15 @@ typedef struct {
     void *out;
     int64_t out_stride, batch;
     float scale;
+    const int64_t *rows;
+    int64_t num_tables;
 } attn_args;
+
+/* query b's block table, or NULL where its row of the tables is out of range */
+static inline const int64_t *table_of(const attn_args *p, int64_t b) {
+    const int64_t row = p->rows ? p->rows[b] : b;
+    return row >= 0 && row < p->num_tables ? p->block_tables + row * p->bt_stride : NULL;
+}
 
 #define DEFINE_ATTENTION(NAME, T, LOAD, STORE)                                                      \
 static int NAME(const attn_args *p) {                                                                      \
@@ -51,9 +61,9 @@ static int NAME(const attn_args *p) {                                           
                 failed = !qf || !acc || !s ? OUT_OF_MEMORY : OUT_OF_RANGE;                          \
                 continue;                                                                           \
             }                                                                                       \
-            const int64_t *table = p->block_tables + b * p->bt_stride;                            \
-            int bad_block = 0;                                                                      \
-            for (int64_t j = 0; j < (ctx + bs - 1) / bs; j++)                                       \
+            const int64_t *table = table_of(p, b);                                                  \
+            int bad_block = !table;                                                                 \
+            for (int64_t j = 0; table && j < (ctx + bs - 1) / bs; j++)                              \
                 bad_block |= table[j] < 0 || table[j] >= p->num_blocks;                            \
             if (bad_block) {                                                                        \
                 _Pragma("omp atomic write")                                                         \
@@ -143,8 +153,8 @@ static int decode_attention_bf16_fast(const attn_args *p) {
         #pragma omp for schedule(dynamic, 4)
         for (int64_t i = 0; i < p->batch * p->kv_heads; i++) {
             const int64_t b = i / p->kv_heads, h = i % p->kv_heads, ctx = p->context_lens[b];
-            const int64_t *table = p->block_tables + b * p->bt_stride;
-            int bad = ctx < 1 || ctx > max_ctx;
+            const int64_t *table = table_of(p, b);
+            int bad = ctx < 1 || ctx > max_ctx || !table;
             for (int64_t j = 0; !bad && j < (ctx + bs - 1) / bs; j++) bad |= table[j] < 0 || table[j] >= p->num_blocks;
             if (bad || !s || !acc) {
                 #pragma omp atomic write

@@ -24,9 +24,10 @@ class ForwardBatch:
     positions: torch.Tensor                  # [T]
     slot_mapping: torch.Tensor               # [T] flat KV slot to write
     logits_indices: torch.Tensor             # [S] rows whose logits are needed (the sampling sequences' last)
-    num_decode_tokens: int = 0               # leading rows that attend through the decode kernel
-    block_tables: torch.Tensor | None = None # [num_decode_tokens, W] of those rows
-    context_lens: torch.Tensor | None = None # [num_decode_tokens]
+    num_decode_tokens: int = 0               # leading rows that attend through the decode kernel (each its own query)
+    block_tables: torch.Tensor | None = None # [num_decode_tokens, W] of those rows, or per sequence (table_rows)
+    context_lens: torch.Tensor | None = None # [num_decode_tokens] (a prompt's row: its position + 1)
+    table_rows: torch.Tensor | None = None   # [num_decode_tokens] each row's block_tables row; None: its own
     chunks: tuple[PrefillChunk, ...] = ()
     lora: LoRABatchInfo | None = None        # per token
     lm_lora: LoRABatchInfo | None = None     # per logits row

@@ -44,22 +44,50 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache.view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping, v.transpose(0, 1))
 
 
+# On the CPU the decode kernel (workers/cpu_attention.c) runs a mixed step's prompt rows too, each row a query over
+# its own context read from the cache, every row of the step in one call, instead of one SDPA call per chunk.
+# Against torch 2.13's SDPA per chunk (16 query / 2 KV heads of 128, 1 and 2 threads, results/moe_fused.md): bf16
+# 0.16-0.5x its time for 16- to 2048-token prompts; fp32 (no vector fast path) 0.9x at 32 tokens, 1.55x at 128:
+# the contexts up to which the rows take the kernel, by dtype (None: any).
+ROW_ATTENTION_MAX_CONTEXT = {torch.bfloat16: None, torch.float32: 64}
+
+
+def attend_as_rows(device: torch.device, dtype: torch.dtype, prefill_totals) -> bool:
+    """Whether every prompt row of a mixed step attends through the CPU decode kernel."""
+    if device.type != "cpu" or dtype not in ROW_ATTENTION_MAX_CONTEXT or not cpu_attention.applies(dtype):
+        return False
+    limit = ROW_ATTENTION_MAX_CONTEXT[dtype]
+    return limit is None or all(total <= limit for total in prefill_totals)
+
+
+def row_tables(query_lens, seq_lens, block_tables) -> tuple[list[list[int]], list[int], list[int]]:
+    """For sequences with n new tokens each, of `total` tokens (positions total - n .. total - 1): their block tables
+    padded to the widest, and per row its context length (position + 1) and its sequence's index."""
+    width = max(len(t) for t in block_tables)
+    lens, rows = [], []
+    for i, (n, total) in enumerate(zip(query_lens, seq_lens)):
+        lens += range(total - n + 1, total + 1)
+        rows += [i] * n
+    return [t + [0] * (width - len(t)) for t in block_tables], lens, rows
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, batch, scale: float) -> torch.Tensor:
     """Attention of every row of a ForwardBatch, after the rows' K/V were written to the cache.
 
     q: [T, H, D], k/v: [T, KVH, D] (the rows' own K/V) -> [T, H, D]. A pure decode batch is one
-    decode_attention call (captured / graph-safe where asked); a mixed step runs eagerly: its decode
-    rows through decode_attention, each prefill chunk through SDPA.
+    decode_attention call (captured / graph-safe where asked), as is, on the CPU, a mixed step whose every row
+    attends as a decode row (`attend_as_rows`: no chunks); otherwise a mixed step runs its decode rows through
+    decode_attention and each prefill chunk through SDPA.
     """
     if not batch.chunks:
         return decode_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens, scale,
-                                batch.graph_safe)
+                                batch.graph_safe, batch.table_rows)
     out = torch.empty_like(q)
     d = batch.num_decode_tokens
     if d:
         out[:d] = decode_attention(q[:d], k_cache, v_cache, batch.block_tables, batch.context_lens, scale,
-                                   graph_safe=False)
+                                   graph_safe=False, rows=batch.table_rows)
     for c in batch.chunks:
         rows = slice(c.row, c.row + c.num_tokens)
         if c.start == 0:   # a whole prompt (or its first chunk): its own fresh K/V, no gather
@@ -94,19 +122,22 @@ def chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                     graph_safe: bool = True) -> torch.Tensor:
+                     graph_safe: bool = True, rows: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence over its paged context; fixed shapes, no host sync.
 
     graph_safe=False (an eager step) lets the CPU use its C kernel (workers/cpu_attention.c),
     which reads the blocks in place instead of gathering them.
 
     q: [B, H, D]; k_cache/v_cache: [kv_heads, blocks, block_size, D]; block_tables: [B, W];
-    context_lens: [B] -> [B, H, D]. Keys are gathered for all W blocks and masked past context_lens.
+    context_lens: [B] -> [B, H, D]. Keys are gathered for all W blocks and masked past context_lens. rows [B]
+    (eager only): query b reads block_tables[rows[b]] (a prompt's tokens share their sequence's table).
     """
     if not graph_safe and q.device.type == "cpu":
-        out = cpu_attention.decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+        out = cpu_attention.decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, rows)
         if out is not None:
             return out
+    if rows is not None:
+        block_tables = block_tables.index_select(0, rows)
     B, W = block_tables.shape
     kv_heads, num_blocks, bs, D = k_cache.shape
     group = q.shape[1] // kv_heads

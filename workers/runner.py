@@ -28,7 +28,7 @@ from workers.config import MAX_LOGIT_BIAS, EngineConfig
 from workers.device import Platform
 from workers.forward_batch import ForwardBatch, PrefillChunk
 from workers.graph_runner import GraphRunner
-from workers.kv_cache import KVCache, blocks_needed
+from workers.kv_cache import KVCache, attend_as_rows, blocks_needed, row_tables
 from workers.models.llama import LlamaForCausalLM
 from workers.models.loader import load_weights
 from workers.models.moe_kernels import moe_kernel
@@ -245,6 +245,8 @@ class ModelRunner:
         bs = self.config.kv_block_size
         as_tensor = lambda xs: to_device(xs, self.device, torch.int64)  # noqa: E731
         d = plan.num_decode_rows
+        if attend_as_rows(self.device, self.dtype, plan.seq_lens[d:]):   # on the CPU: every row as a decode row
+            d = len(plan.query_lens)
         slot_mapping, token_slots, logits_indices, chunks = [], [], [], []
         prompt_rows, prompt_slots = [], []   # rows scored for prompt logprobs: after the sampled ones
         row = 0
@@ -263,16 +265,18 @@ class ModelRunner:
             row += n
             if plan.samples[i]:
                 logits_indices.append(row - 1)
-        block_tables = context_lens = None
-        if d:
-            width = max(len(t) for t in plan.block_tables[:d])
-            block_tables = as_tensor([t + [0] * (width - len(t)) for t in plan.block_tables[:d]])
-            context_lens = as_tensor(plan.seq_lens[:d])
+        block_tables = context_lens = table_rows = None
+        if d:   # the leading rows through the decode kernel
+            tables, lens, rows = row_tables(plan.query_lens[:d], plan.seq_lens[:d], plan.block_tables[:d])
+            block_tables, context_lens = as_tensor(tables), as_tensor(lens)
+            table_rows = as_tensor(rows) if len(rows) > len(tables) else None   # else one row per sequence
         lm_slots = [slot for slot, samples in zip(plan.lora_slots, plan.samples) if samples] + prompt_slots
         batch = ForwardBatch(input_ids=as_tensor(plan.input_ids), positions=as_tensor(plan.positions),
-                             slot_mapping=as_tensor(slot_mapping), logits_indices=as_tensor(logits_indices + prompt_rows),
-                             num_decode_tokens=d, block_tables=block_tables, context_lens=context_lens,
-                             chunks=tuple(chunks), lora=self._lora_info(token_slots), lm_lora=self._lora_info(lm_slots))
+                             slot_mapping=as_tensor(slot_mapping),
+                             logits_indices=as_tensor(logits_indices + prompt_rows),
+                             num_decode_tokens=sum(plan.query_lens[:d]), block_tables=block_tables,
+                             context_lens=context_lens, table_rows=table_rows, chunks=tuple(chunks),
+                             lora=self._lora_info(token_slots), lm_lora=self._lora_info(lm_slots))
         return self.model(batch, self.kv_cache)
 
 
