@@ -156,3 +156,12 @@ def test_which_steps_attend_as_rows():
     assert attend_as_rows(cpu, torch.float32, [64, 1]) and not attend_as_rows(cpu, torch.float32, [65])
     assert not attend_as_rows(cpu, torch.float16, [8])                     # no code for it: SDPA
     assert not attend_as_rows(torch.device("meta"), torch.bfloat16, [8])   # not the CPU
+
+
+def test_the_prefill_attention_benchmark_times_both_ways():
+    from benchmarks import prefill_attention
+
+    data = prefill_attention.run(threads=2, lengths=[16, 24], repeats=1)
+    assert [(r["dtype"], r["prompt_len"]) for r in data["rows"]] == [("bfloat16", 16), ("bfloat16", 24),
+                                                                     ("float32", 16), ("float32", 24)]
+    assert all(r["sdpa_ms"] > 0 and r["kernel_ms"] > 0 for r in data["rows"])
