@@ -34,9 +34,10 @@ static inline void st_bf16(uint16_t *p, vf v, int n) {
     _mm256_mask_storeu_epi16(p, lanes(n), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round_bf16(v)), 16)));
 }
 /* exp(x): 2^k * e^f, k = round(x / ln 2), f = x - k ln 2 in two parts (|f| <= ln 2 / 2), e^f by its
- * degree-7 Taylor polynomial (truncation < 6e-9 relative); saturates to 0 / inf past fp32's range. */
+ * degree-7 Taylor polynomial (truncation < 6e-9 relative); saturates to 0 / inf past fp32's range (-inf -> 0,
+ * as attention's masked scores need); NaN stays NaN (min / max return their second operand on a NaN). */
 static inline vf v_exp(vf x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(89.f));
+    x = _mm512_min_ps(_mm512_set1_ps(89.f), _mm512_max_ps(_mm512_set1_ps(-104.f), x));
     const vf k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     vf f = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), x);

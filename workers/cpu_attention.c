@@ -18,7 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../lora/native.h"
+#include "../lora/vec.h"
 
 enum { OUT_OF_RANGE = 1, OUT_OF_MEMORY = 2 };   /* nonzero returns */
 
@@ -123,23 +123,6 @@ DEFINE_ATTENTION(decode_attention_f32_portable, float, f32_load, f32_store)
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <omp.h>
 
-/* exp(x) for x <= 0: 2^n * 2^f, f in [-1/2, 1/2], 2^f by its degree-6 Taylor polynomial
- * (relative error < 4e-6 down to x = -100, measured); far below the smallest float it is 0. */
-static inline __m512 exp_neg(__m512 x) {
-    x = _mm512_max_ps(_mm512_set1_ps(-150.f), x);   /* -inf -> 0 (not inf - inf = NaN); NaN stays NaN */
-    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
-    __m512 p = _mm512_set1_ps(1.f / 720);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(p, _mm512_max_ps(n, _mm512_set1_ps(-200.f)));
-}
-
 /* bf16, head_dim a multiple of 32, at most 16 query heads per kv head: q . k by the bf16 dot
  * instruction, 16 keys' scores summed at once by reduce16, a vector exp. */
 #define FAST_MAX_GROUP 16
@@ -192,7 +175,7 @@ static int decode_attention_bf16_fast(const attn_args *p) {
                 __m512 sum = _mm512_setzero_ps();
                 for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
                     const __mmask16 live = (__mmask16)(ctx - t0 >= 16 ? 0xffffu : (1u << (ctx - t0)) - 1u);
-                    const __m512 e = _mm512_maskz_mov_ps(live, exp_neg(_mm512_sub_ps(_mm512_loadu_ps(sg + t0), mg)));
+                    const __m512 e = _mm512_maskz_mov_ps(live, v_exp(_mm512_sub_ps(_mm512_loadu_ps(sg + t0), mg)));
                     _mm512_storeu_ps(sg + t0, e);
                     sum = _mm512_add_ps(sum, e);
                 }
