@@ -46,9 +46,10 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 # On the CPU the decode kernel (workers/cpu_attention.c) runs a mixed step's prompt rows too, each row a query over
 # its own context read from the cache, every row of the step in one call, instead of one SDPA call per chunk.
-# Against torch 2.13's SDPA per chunk (16 query / 2 KV heads of 128, 1 and 2 threads, results/moe_fused.md): bf16
-# 0.16-0.5x its time for 16- to 2048-token prompts; fp32 (no vector fast path) 0.9x at 32 tokens, 1.55x at 128:
-# the contexts up to which the rows take the kernel, by dtype (None: any).
+# Against torch 2.13's SDPA per chunk (benchmarks.prefill_attention: 16 query / 2 KV heads of 128, 16- to
+# 2048-token prompts, 1 and 2 threads): bf16 0.16-0.68x its time at every length; fp32 (no vector fast path)
+# 0.3-0.8x up to 32 tokens, 0.95-1.05x at 64, 1.1-1.5x at 128-512: the contexts up to which the rows take the
+# kernel, by dtype (None: any).
 ROW_ATTENTION_MAX_CONTEXT = {torch.bfloat16: None, torch.float32: 64}
 
 

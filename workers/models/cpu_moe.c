@@ -26,7 +26,9 @@ static int run(const moe_args *a, void (*item)(const moe_args *, int64_t, int64_
     const int64_t active = active_experts(a, &experts);
     if (active < 0) return (int)-active;
     const int64_t per_expert = (a->out_dim + ITEM_OUT - 1) / ITEM_OUT, items = active * per_expert;
-    #pragma omp parallel for schedule(dynamic, 1) if (active * a->out_dim * a->in_dim > PARALLEL_MIN)
+    /* static: each thread one contiguous run of the weights (as the AMX items below): 0.80-0.82x the time of
+     * dynamic items at 2 threads, 16 and 32 tokens */
+    #pragma omp parallel for schedule(static) if (active * a->out_dim * a->in_dim > PARALLEL_MIN)
     for (int64_t i = 0; i < items; i++) {
         const int64_t e = experts[i / per_expert], o = (i % per_expert) * ITEM_OUT;
         item(a, e, o, o + ITEM_OUT < a->out_dim ? o + ITEM_OUT : a->out_dim, off[e], off[e + 1]);
@@ -77,7 +79,7 @@ static void amx_item(const moe_args *a, const uint32_t *tiles, int64_t e, int64_
         _tile_zero(2);
         _tile_zero(3);
         for (int64_t c = 0; c < chunks; c++) {
-            if (b == 0)   /* the next 32 rows of w (the next item's, if this thread's) into L2, over this item's
+            if (b == 0)   /* the next 32 rows of w (this thread's next item's) into L2, over this item's
                            * slices: 40.5 -> 37.2 ms a layer at 512 tokens */
                 for (int l = 0; l < 32; l++)
                     _mm_prefetch((const char *)(w + 32 * K) + 2048 * c + 64 * l, _MM_HINT_T1);
@@ -134,7 +136,10 @@ int moe_gemm_bf16_amx(const moe_args *a) {
         #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < active; i++)
             pack_rows(a, off[experts[i]], off[experts[i] + 1], tiles + at[i]);
-        #pragma omp for schedule(dynamic, 1)
+        /* static: each thread streams one contiguous run of the weights (items are alike: 32 outputs of every
+         * row of an expert), so the prefetch of the next item's rows fetches its own next item: at 2 threads
+         * 0.73x the time of dynamic items, which alternate between the threads (3 layers at 512 tokens) */
+        #pragma omp for schedule(static)
         for (int64_t i = 0; i < items; i++) {
             const int64_t k = i / per_expert, e = experts[k];
             amx_item(a, tiles + at[k], e, (i % per_expert) * 32, off[e], off[e + 1]);
