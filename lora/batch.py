@@ -13,7 +13,6 @@ layer and module, so rank_pattern / alpha_pattern stay exact): no scalings here.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -64,35 +63,10 @@ class KernelGroups:
         return self.packed[3 * self.num_groups + 1:]
 
 
-class RowGroups(Sequence):
-    """plan_rows' groups as AdapterRows, made on first use: the CPU kernel reads KernelGroups only, and a MoE
-    layer's ~250 (slot, expert) groups cost ~0.2 ms a layer to make (a row split and a dataclass each)."""
-
-    def __init__(self, keys: list[int], ranks: list[int], rows: torch.Tensor, counts: list[int]):
-        self._parts, self._groups = (keys, ranks, rows, counts), None
-
-    def _made(self) -> tuple[AdapterRows, ...]:
-        if self._groups is None:
-            keys, ranks, rows, counts = self._parts
-            self._groups = tuple(AdapterRows(k, r, rs) for k, r, rs in zip(keys, ranks, rows.split(counts)))
-        return self._groups
-
-    def __len__(self) -> int:
-        return len(self._parts[0])
-
-    def __getitem__(self, index):
-        return self._made()[index]
-
-    def __eq__(self, other) -> bool:   # as the tuple it stands for
-        return isinstance(other, (tuple, RowGroups)) and self._made() == tuple(other)
-
-    __hash__ = None
-
-
 @dataclass(frozen=True)
 class LoRAPlan:
     """A step's tokens grouped by adapter (base tokens and empty slots left out)."""
-    groups: Sequence[AdapterRows]          # every adapter present: torch GEMMs per adapter
+    groups: tuple[AdapterRows, ...]        # every adapter present: torch GEMMs per adapter
     kernel: KernelGroups | None = None     # the cpu backend: the adapters with few tokens ...
     gemm: tuple[AdapterRows, ...] = ()     # ... and the others, which torch's GEMMs do better
 
@@ -202,8 +176,8 @@ def plan_rows(index: torch.Tensor, ranks: torch.Tensor, max_rank: int, device: t
     header = torch.cat([keys[:G], rank[order][starts[:G]], starts[:G + 1]]) if G else keys[:0]
     packed = to_device(torch.cat([header, order]), device, torch.int64)
     rows = packed[len(header):]
-    groups = RowGroups(keys.tolist(), rank[order][starts[:-1]].tolist(), rows, counts.tolist())
+    groups = [AdapterRows(k, r, rs) for k, r, rs in zip(keys.tolist(), rank[order][starts[:-1]].tolist(),
+                                                         rows.split(counts.tolist()))]
     kernel = KernelGroups(packed[:3 * G + 1 + int(starts[G])], G) if G else None
-    gemm = tuple(groups[G:]) if gemm_min_tokens is not None and G < len(groups) else ()
-    return LoRAPlan(groups, kernel, gemm)
+    return LoRAPlan(tuple(groups), kernel, tuple(groups[G:]) if gemm_min_tokens is not None else ())
 
