@@ -32,8 +32,7 @@ def case(n: int, dtype: torch.dtype):
     q = torch.randn(seqs * n, HEADS, HEAD_DIM).to(dtype)
     k, v = torch.randn(seqs * n, KV_HEADS, HEAD_DIM).to(dtype), torch.randn(seqs * n, KV_HEADS, HEAD_DIM).to(dtype)
     tables = [[1 + s * blocks + b for b in range(blocks)] for s in range(seqs)]
-    padded, lens, rows = row_tables([n] * seqs, [n] * seqs, tables)
-    return seqs, q, k, v, k_cache, v_cache, torch.tensor(padded), torch.tensor(lens), torch.tensor(rows)
+    return (seqs, q, k, v, k_cache, v_cache, *row_tables([n] * seqs, [n] * seqs, tables))
 
 
 def run(threads: int, lengths: list[int], repeats: int) -> dict:

@@ -125,10 +125,8 @@ def test_prompt_rows_through_the_kernel_match_sdpa_per_chunk(dtype):
     chunks = [(0, 1), (0, 13), (5, 9), (16, 3), (0, 40)]   # (tokens already cached, new tokens)
     q, k, v, tables = _prompts(dtype, chunks)
     padded, lens, rows = row_tables([n for _, n in chunks], [s + n for s, n in chunks], tables)
-    out = decode_attention(q, k, v, torch.tensor(padded), torch.tensor(lens), 0.125, graph_safe=False,
-                           rows=torch.tensor(rows))
-    torch_rows = decode_attention(q, k, v, torch.tensor(padded), torch.tensor(lens), 0.125, graph_safe=True,
-                                  rows=torch.tensor(rows))
+    out = decode_attention(q, k, v, padded, lens, 0.125, graph_safe=False, rows=rows)
+    torch_rows = decode_attention(q, k, v, padded, lens, 0.125, graph_safe=True, rows=rows)
     row, tol = 0, dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
     for (start, n), table in zip(chunks, tables):
         expected = chunk_attention(q[row:row + n], k, v, torch.tensor(table), start, 0.125)

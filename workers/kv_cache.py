@@ -61,15 +61,17 @@ def attend_as_rows(device: torch.device, dtype: torch.dtype, prefill_totals) -> 
     return limit is None or all(total <= limit for total in prefill_totals)
 
 
-def row_tables(query_lens, seq_lens, block_tables) -> tuple[list[list[int]], list[int], list[int]]:
-    """For sequences with n new tokens each, of `total` tokens (positions total - n .. total - 1): their block tables
-    padded to the widest, and per row its context length (position + 1) and its sequence's index."""
+def row_tables(query_lens, seq_lens, block_tables, as_tensor=torch.tensor):
+    """For sequences with n new tokens each, of `total` tokens (positions total - n .. total - 1), as int64 tensors:
+    their block tables padded to the widest, per row its context length (position + 1), and per row its sequence's
+    index (None when every sequence has one row: the row is the sequence)."""
     width = max(len(t) for t in block_tables)
     lens, rows = [], []
     for i, (n, total) in enumerate(zip(query_lens, seq_lens)):
         lens += range(total - n + 1, total + 1)
         rows += [i] * n
-    return [t + [0] * (width - len(t)) for t in block_tables], lens, rows
+    return (as_tensor([t + [0] * (width - len(t)) for t in block_tables]), as_tensor(lens),
+            as_tensor(rows) if len(rows) > len(block_tables) else None)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

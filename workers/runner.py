@@ -265,11 +265,9 @@ class ModelRunner:
             row += n
             if plan.samples[i]:
                 logits_indices.append(row - 1)
-        block_tables = context_lens = table_rows = None
-        if d:   # the leading rows through the decode kernel
-            tables, lens, rows = row_tables(plan.query_lens[:d], plan.seq_lens[:d], plan.block_tables[:d])
-            block_tables, context_lens = as_tensor(tables), as_tensor(lens)
-            table_rows = as_tensor(rows) if len(rows) > len(tables) else None   # else one row per sequence
+        # the leading d sequences' rows attend through the decode kernel
+        block_tables, context_lens, table_rows = row_tables(plan.query_lens[:d], plan.seq_lens[:d],
+                                                            plan.block_tables[:d], as_tensor) if d else (None,) * 3
         lm_slots = [slot for slot, samples in zip(plan.lora_slots, plan.samples) if samples] + prompt_slots
         batch = ForwardBatch(input_ids=as_tensor(plan.input_ids), positions=as_tensor(plan.positions),
                              slot_mapping=as_tensor(slot_mapping),
