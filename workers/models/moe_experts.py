@@ -7,7 +7,8 @@ same rows, weights and grouped GEMMs serve any top-k MoE block, and the NPU's ke
 Experts run on the (token, choice) rows grouped by expert. On the CPU (bf16 / fp32) one grouped GEMM per
 projection (workers/models/cpu_moe.py) runs every routed expert over its rows, sorted by expert with the
 cumulative counts computed on the device: eager steps and a captured decode run the same calls, nothing
-read back. Otherwise (no C compiler, LORASERVE_MOE_KERNEL=0, other dtypes or devices) one GEMM per active
+read back; the routing and, at decode sizes without expert LoRA, the whole block (gather to weighted sum) are
+one C call each (workers/models/moe_fused.py). Otherwise (no C compiler, LORASERVE_MOE_KERNEL=0, other dtypes or devices) one GEMM per active
 expert and projection (eager), or, in a captured decode where nothing may read back to the host, a fixed
 loop over every expert keeping each row's own (graph-safe). Tensor parallel: every rank holds every expert,
 cut along the expert intermediate dimension (gate/up rows, down columns).
