@@ -4,6 +4,8 @@
     .venv/bin/python -m benchmarks.moe --shape '{"hidden_size": 1024, ...}' --no-peft   (another shape, ours only)
     .venv/bin/python -m benchmarks.moe --kernel-ab   (ours only: the grouped expert GEMM, workers/models/cpu_moe.py,
                                                       against one oneDNN GEMM per expert; results/moe_grouped_*)
+    .venv/bin/python -m benchmarks.moe --fused-ab    (ours only: the fused routing and expert block,
+                                                      workers/models/moe_fused.py, on / off; results/moe_fused_ab_*)
 
 The checkpoint has Qwen3-30B-A3B's shape scaled down to fit here: top-8 routing over its 128 experts,
 its expert-to-hidden ratio (768 / 2048 = 0.375: hidden 1024, expert intermediate 384), its attention
@@ -16,7 +18,8 @@ requests, equal prompt lengths): base only, and 8 adapters uniformly mixed. Roun
 second and (ours) per CPU second of the process: with one thread on a machine shared with other jobs,
 the latter is what the work costs. --kernel-ab runs two of our engines instead, `before` built with the grouped
 expert GEMM off (LORASERVE_MOE_KERNEL=0's path: prepacked oneDNN weights, one GEMM per active expert) and `after`
-with it, alternating in the same rounds.
+with it, alternating in the same rounds; --fused-ab the same with LORASERVE_MOE_FUSED's switch (moe_fused.ENABLED)
+off for `before`, on for `after`.
 """
 from __future__ import annotations
 
@@ -150,23 +153,26 @@ def _generate(model, ids, max_tokens):
                           min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
 
 
-def make_engines(model_dir: Path, dtype: str, sizes: Sizes, kernel_ab: bool) -> dict:
+def make_engines(model_dir: Path, dtype: str, sizes: Sizes, kernel_ab: bool, fused_ab: bool = False) -> dict:
     """{"ours": engine}, or for kernel_ab {"before": grouped expert GEMM off, "after": on} (chosen when each model
-    is prepacked; a model built with it off keeps oneDNN's packed per-expert weights)."""
+    is prepacked; a model built with it off keeps oneDNN's packed per-expert weights), or for fused_ab two alike
+    engines that `run` runs with the fused routing and expert block (moe_fused.ENABLED, read per call) off / on."""
     from workers.models import cpu_moe
 
-    if not kernel_ab:
+    if not (kernel_ab or fused_ab):
         return {"ours": make_engine(model_dir, dtype, sizes)}
     engines = {}
     for name, enabled in (("before", False), ("after", True)):
-        cpu_moe.ENABLED = enabled
+        cpu_moe.ENABLED = enabled or fused_ab
         engines[name] = make_engine(model_dir, dtype, sizes)
     cpu_moe.ENABLED = True
     return engines
 
 
 def run(sizes: Sizes = FULL, dtype: str = "bfloat16", rounds: int | None = None, log=print,
-        shape: MoeShape = SHAPE, peft: bool = True, kernel_ab: bool = False) -> dict:
+        shape: MoeShape = SHAPE, peft: bool = True, kernel_ab: bool = False, fused_ab: bool = False) -> dict:
+    from workers.models import moe_fused
+
     sizes = replace(sizes, num_requests=sizes.batch, shape=shape)   # one wave of `batch` requests
     set_threads(sizes.threads)
     rounds = rounds or sizes.peer_rounds
@@ -174,11 +180,12 @@ def run(sizes: Sizes = FULL, dtype: str = "bfloat16", rounds: int | None = None,
     paths = build_adapters(model_dir, 8, sizes.rank, dtype, shape)
     prompts = make_prompts(sizes)
     plans = {"base": [None] * sizes.batch, "eight": [f"lora-{i % 8:04d}" for i in range(sizes.batch)]}
-    engines = make_engines(model_dir, dtype, sizes, kernel_ab)
+    engines = make_engines(model_dir, dtype, sizes, kernel_ab, fused_ab)
+    ab = kernel_ab or fused_ab
     for engine in engines.values():
         for i, path in enumerate(paths):
             engine.load_adapter(f"lora-{i:04d}", str(path))
-    peft = load_peft(model_dir, paths, dtype) if peft and not kernel_ab else None
+    peft = load_peft(model_dir, paths, dtype) if peft and not ab else None
     for engine in engines.values():   # warm-up of every system, untimed
         for w in plans:
             run_requests(engine, prompts, plans[w], 2)
@@ -192,6 +199,7 @@ def run(sizes: Sizes = FULL, dtype: str = "bfloat16", rounds: int | None = None,
         results = {}
         for system, w in runs[r % len(runs):] + runs[:r % len(runs)]:
             if system in engines:
+                moe_fused.ENABLED = not fused_ab or system == "after"
                 cpu = time.process_time()
                 t = run_requests(engines[system], prompts, plans[w], sizes.max_tokens)
                 results[f"{system}_{w}"] = dict(t.summary(), cpu_tok_s=t.output_tokens / (time.process_time() - cpu))
@@ -208,7 +216,8 @@ def run(sizes: Sizes = FULL, dtype: str = "bfloat16", rounds: int | None = None,
     def ratio(a, b, key="output_tok_s"):
         return median([x[a][key] / x[b][key] for x in per_round])
 
-    ours = "after" if kernel_ab else "ours"
+    moe_fused.ENABLED = True
+    ours = "after" if ab else "ours"
     data = {"benchmark": "moe", "dtype": dtype, "shape": vars(shape), "sizes": sizes_dict(sizes),
             "machine": machine_info(),
             "output_tok_s": {key: median([x[key]["output_tok_s"] for x in per_round]) for key in per_round[0]},
@@ -217,7 +226,7 @@ def run(sizes: Sizes = FULL, dtype: str = "bfloat16", rounds: int | None = None,
             # per CPU second of this process (1 thread): what the work costs, whatever else the machine runs
             "eight_over_base_cpu": ratio(f"{ours}_eight", f"{ours}_base", "cpu_tok_s"),
             "rounds": per_round}
-    if kernel_ab:
+    if ab:
         for w in ("base", "eight"):
             for key, suffix in (("output_tok_s", ""), ("decode_tok_s", "_decode"), ("cpu_tok_s", "_cpu")):
                 data[f"after_over_before_{w}{suffix}"] = ratio(f"after_{w}", f"before_{w}", key)
@@ -236,12 +245,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--shape", default=None)
     parser.add_argument("--no-peft", action="store_true")
     parser.add_argument("--kernel-ab", action="store_true")
+    parser.add_argument("--fused-ab", action="store_true")
     args, rest = parser.parse_known_args(argv)
     shape = replace(SHAPE, **json.loads(args.shape)) if args.shape else SHAPE
-    name = ("moe_grouped" if args.kernel_ab else "moe") + ("" if shape == SHAPE else f"_{shape.tag}") + \
-        ("_ours" if args.no_peft and not args.kernel_ab else "")
+    ab = args.kernel_ab or args.fused_ab
+    name = ("moe_grouped" if args.kernel_ab else "moe_fused_ab" if args.fused_ab else "moe") + \
+        ("" if shape == SHAPE else f"_{shape.tag}") + ("_ours" if args.no_peft and not ab else "")
     return bench_main(name, __doc__, lambda sizes, dtype: run(sizes, dtype, shape=shape, peft=not args.no_peft,
-                                                              kernel_ab=args.kernel_ab), rest)
+                                                              kernel_ab=args.kernel_ab, fused_ab=args.fused_ab), rest)
 
 
 if __name__ == "__main__":

@@ -173,3 +173,25 @@ def test_engine_with_the_fused_block_equals_the_engine_without(moe_files, monkey
     unfused = _generate(path, adapters, names, monkeypatch, False, **config)
     assert [o.token_ids for o in fused] == [o.token_ids for o in unfused]
     assert max(abs(a - b) for of, ou in zip(fused, unfused) for a, b in zip(of.logprobs, ou.logprobs)) < 1e-5
+
+
+def test_the_benchmark_alternates_the_fused_block_with_the_unfused_path(tmp_path, monkeypatch):
+    """benchmarks/moe.py --fused-ab at a tiny shape: two engines, the switch off for `before`, on for `after`."""
+    from dataclasses import replace
+
+    from benchmarks import moe
+    from benchmarks.common import TINY_SIZES
+
+    monkeypatch.setenv("LORASERVE_BENCH_CACHE", str(tmp_path))
+    from workers.models import qwen3_moe
+
+    fused, unfused = [], []   # the fused block's calls, the torch routing's (only with the switch off)
+    monkeypatch.setattr(moe_fused, "_experts_impl", lambda *a, run=moe_fused._experts_impl: fused.append(1) or run(*a))
+    monkeypatch.setattr(qwen3_moe, "group_rows", lambda *a, run=qwen3_moe.group_rows: unfused.append(1) or run(*a))
+    shape = moe.MoeShape(hidden_size=64, moe_intermediate_size=24, num_experts=8, num_experts_per_tok=2,
+                         num_attention_heads=4, num_key_value_heads=1, head_dim=16, num_hidden_layers=1,
+                         vocab_size=512, intermediate_size=96)
+    result = moe.run(replace(TINY_SIZES, threads=1), "float32", rounds=1, log=lambda *_: None, shape=shape,
+                     peft=False, fused_ab=True)
+    assert set(result["output_tok_s"]) == {"before_eight", "before_base", "after_eight", "after_base"}
+    assert result["after_over_before_base"] > 0 and fused and unfused and moe_fused.ENABLED
