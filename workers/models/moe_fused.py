@@ -1,9 +1,9 @@
 """A MoE block's routing and its decode-sized expert work in one call each on the CPU: cpu_moe_fused.c as torch ops.
 
     loraserve::moe_route(logits, top_k, normalize) -> (weight, token, expert, offsets)
-        HF's router after its linear (fp32 softmax, top-k, renormalised if asked, cast back) and the (token,
-        choice) rows sorted by expert, stable, with offsets [E + 1] their cumulative counts: group_rows' grouped
-        form (workers/models/moe_experts.py) in one pass.
+        HF's router after its linear (fp32 softmax, top-k, renormalised if asked, cast back; equal probabilities
+        to the lower expert id) and the (token, choice) rows sorted by expert, stable, with offsets [E + 1] their
+        cumulative counts: group_rows' grouped form (workers/models/moe_experts.py) in one pass.
     loraserve::moe_experts(x, w13, w2, offsets, token, weight) -> out [T, H]
         every active expert's gathered rows through gate_up, SiLU-and-mul and down (cpu_moe.c's vector block),
         then each token's rows weighted and summed: MoeExperts.forward in one call, its bits (cpu_moe_fused.c).
@@ -11,7 +11,7 @@
         MoeExperts.combine (index_add_ of the weighted rows, rows ascending), for the paths that keep the
         projections apart (expert LoRA between them, prefill on the AMX kernel).
 
-Why (results/moe_fused.md): each small op between a layer's expert-weight streams runs on cold caches; a decode
+Why (benchmarks/results/moe_fused.md): each small op between a layer's expert-weight streams runs on cold caches; a decode
 layer was ~9 such calls. Where it applies: the CPU, bf16 / fp32, the grouped kernel on (cpu_moe.applies), and
 for moe_experts the decode shapes the vector kernel runs (up to cpu_moe.KERNEL_ROWS_PER_EXPERT rows per expert on
 average; more go to the AMX / grouped_mm projections). LORASERVE_MOE_FUSED=0 turns it off (A/B measurement).
