@@ -25,7 +25,8 @@ import tempfile
 import threading
 from pathlib import Path
 
-import torch  # noqa: F401  (loaded first: the kernels' libgomp.so.1 must resolve to torch's)
+import torch  # (loaded first: the kernels' libgomp.so.1 must resolve to torch's)
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +135,13 @@ def huge_page_copy(w: torch.Tensor) -> torch.Tensor:
     buffer.madvise(mmap.MADV_HUGEPAGE)   # a hint: the kernel may still use small pages (then as before)
     # frombuffer keeps the mapping alive as long as the tensor
     return torch.frombuffer(buffer, dtype=torch.uint8).view(w.dtype).view(w.shape).copy_(w)
+
+
+def eager() -> bool:
+    """Whether a kernel wrapper may call its C function directly: no dispatch mode (a captured decode's tape,
+    FakeTensor) and no torch.compile trace, which must see the registered op instead. The custom op's Python
+    dispatch costs about as much as a kernel at decode sizes."""
+    return _get_current_dispatch_mode() is None and not torch.compiler.is_compiling()
 
 
 def library(source: Path, symbols: dict[str, list], ready=lambda lib: True):

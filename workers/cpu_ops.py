@@ -16,7 +16,6 @@ import os
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from lora import native
 
@@ -46,10 +45,6 @@ def applies(x: torch.Tensor, *others: torch.Tensor) -> bool:
         if not t.is_cpu or t.dtype != x.dtype:
             return False
     return True
-
-
-def _eager() -> bool:
-    return _get_current_dispatch_mode() is None and not torch.compiler.is_compiling()
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -85,7 +80,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     """llama.RMSNorm's forward: weight * round(x * rsqrt(mean(x^2) + eps)) over the last dim, or None."""
     if not applies(x, weight):
         return None
-    if _eager():
+    if native.eager():
         return _rms_norm_impl(x, weight, eps)[0]
     return torch.ops.loraserve.rms_norm(x, weight, eps)
 
@@ -95,7 +90,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
     """(x + delta, rms_norm(x + delta)), the sum rounded once, or None."""
     if not applies(x, delta, weight):
         return None
-    if _eager():
+    if native.eager():
         out, total = _rms_norm_impl(x, weight, eps, delta)
         return total, out
     return torch.ops.loraserve.add_rms_norm(x, delta, weight, eps)
@@ -115,7 +110,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
     """silu(gate) * up of x = [..., gate | up] -> [..., I], or None."""
     if not applies(x):
         return None
-    return _silu_and_mul_impl(x) if _eager() else torch.ops.loraserve.silu_and_mul(x)
+    return _silu_and_mul_impl(x) if native.eager() else torch.ops.loraserve.silu_and_mul(x)
 
 
 # ---- q/k norm + rope + KV write -----------------------------------------------------------------------------
@@ -180,7 +175,7 @@ def qkv_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin:
         return None
     args = (qkv, positions, cos, sin, q_weight, k_weight, eps, num_heads, num_kv_heads, k_cache, v_cache,
             slot_mapping)
-    return _qkv_rope_impl(*args) if _eager() else torch.ops.loraserve.qkv_rope(*args)
+    return _qkv_rope_impl(*args) if native.eager() else torch.ops.loraserve.qkv_rope(*args)
 
 
 # ---- greedy sampling ----------------------------------------------------------------------------------------
@@ -195,7 +190,7 @@ def argmax(logits: torch.Tensor) -> torch.Tensor | None:
     """logits [B, V].argmax(-1) (torch's: the first maximum, the first NaN where a row has one), or None."""
     if logits.dim() != 2 or not applies(logits):
         return None
-    return _argmax_impl(logits) if _eager() else torch.ops.loraserve.argmax(logits)
+    return _argmax_impl(logits) if native.eager() else torch.ops.loraserve.argmax(logits)
 
 
 # ---- the torch ops (captured decode, FakeTensor mode, torch.compile) ----------------------------------------

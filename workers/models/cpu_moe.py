@@ -27,7 +27,6 @@ import os
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from lora import native
 
@@ -118,7 +117,7 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> tor
     """y[n] = x[n] @ w[e].T for the rows n of expert e (offsets: see the module docstring)."""
     if x.shape[0] > KERNEL_ROWS_PER_EXPERT * w.shape[0] and not _amx(x, w) and _aligned(x, w):
         return torch._grouped_mm(x, w.transpose(1, 2), offs=offsets[1:].to(torch.int32))
-    if _get_current_dispatch_mode() is None and not torch.compiler.is_compiling():
+    if native.eager():
         return _impl(x, w, offsets)
     return torch.ops.loraserve.moe_grouped_gemm(x, w, offsets)
 

@@ -137,10 +137,13 @@ static void NAME(const experts_args *a, int64_t e, int64_t lo, int64_t hi, T *xs
     const int64_t H = a->hidden, I = a->inter, rows = hi - lo;                                           \
     for (int64_t r = 0; r < rows; r++)                                                                   \
         memcpy(xs + r * H, (const T *)a->x + a->token[lo + r] * a->x_stride, sizeof(T) * H);            \
-    const moe_args gate_up = {xs, H, H, a->w13, 2 * I, a->num_experts, NULL, h, 2 * I, rows};            \
+    const moe_args gate_up = {.x = xs, .x_stride = H, .in_dim = H, .w = a->w13, .out_dim = 2 * I,       \
+                              .num_experts = a->num_experts, .y = h, .y_stride = 2 * I, .num_rows = rows}; \
     ITEM(&gate_up, e, 0, 2 * I, 0, rows);                                                                \
     for (int64_t r = 0; r < rows; r++) SILU(h + r * 2 * I, I, act + r * I);                              \
-    const moe_args down = {act, I, I, a->w2, H, a->num_experts, NULL, (T *)a->rows_out + lo * H, H, rows}; \
+    const moe_args down = {.x = act, .x_stride = I, .in_dim = I, .w = a->w2, .out_dim = H,               \
+                           .num_experts = a->num_experts, .y = (T *)a->rows_out + lo * H, .y_stride = H,    \
+                           .num_rows = rows};                                                            \
     ITEM(&down, e, 0, H, 0, rows);                                                                       \
 }
 DEFINE_EXPERT(expert_bf16, uint16_t, item_bf16, silu_mul_row_bf16)
@@ -149,7 +152,8 @@ DEFINE_EXPERT(expert_f32, float, item_f32, silu_mul_row_f32)
 #define DEFINE_EXPERTS(NAME, T, EXPERT, COLUMNS)                                                           \
 int NAME(const experts_args *a) {                                                                        \
     const int64_t H = a->hidden, I = a->inter, *off = a->offsets;                                        \
-    const moe_args shape = {NULL, 0, H, NULL, 2 * I, a->num_experts, off, NULL, 0, a->num_rows};         \
+    const moe_args shape = {.in_dim = H, .out_dim = 2 * I, .num_experts = a->num_experts, .offsets = off,  \
+                            .num_rows = a->num_rows};                                                    \
     int64_t *experts;                                                                                    \
     const int64_t active = active_experts(&shape, &experts);                                             \
     if (active < 0) return (int)-active;                                                                 \

@@ -182,10 +182,11 @@ class MoeExperts(nn.Module):
         return out.index_add_(0, rows.token, y * rows.weight.unsqueeze(1))
 
     def forward(self, x: torch.Tensor, rows: ExpertRows, lora=None) -> torch.Tensor:
-        w13, w2 = self.gate_up_proj, self.down_proj
-        if rows.offsets is not None and w13.grouped(x) and moe_fused.fits(x, w13.weight, rows.token.shape[0]):
-            # decode: gather, both projections, SiLU-and-mul and the combine in one call
-            return moe_fused.experts(x, w13.weight, w2.weight, rows.offsets, rows.token, rows.weight)
+        # offsets: the rows were grouped for the grouped kernel (its weights unpacked); at decode sizes the whole
+        # block is one call
+        if rows.offsets is not None and moe_fused.fits(x, self.gate_up_proj.weight, rows.token.shape[0]):
+            return moe_fused.experts(x, self.gate_up_proj.weight, self.down_proj.weight, rows.offsets, rows.token,
+                                     rows.weight)
         xs = self.gather(x, rows)
         return self.combine(self.down(self.act(self.gate_up(xs, rows)), rows), rows, x.shape[0])
 

@@ -24,7 +24,6 @@ import os
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from lora import native
 from workers.models import cpu_moe
@@ -59,10 +58,6 @@ def applies(x: torch.Tensor) -> bool:
     return ENABLED and x.dtype in _SUFFIX and cpu_moe.applies(x, x) and available()
 
 
-def _eager() -> bool:
-    return _get_current_dispatch_mode() is None and not torch.compiler.is_compiling()
-
-
 def _status(status: int, op: str) -> None:
     if status == OUT_OF_MEMORY:
         raise MemoryError(f"{op}: out of memory for its scratch")
@@ -92,7 +87,7 @@ def _route_impl(logits, top_k: int, normalize: bool):
 
 def route(logits: torch.Tensor, top_k: int, normalize: bool):
     """(weight, token, expert, offsets) of the rows sorted by expert (see the module docstring)."""
-    if _eager():
+    if native.eager():
         return _route_impl(logits, top_k, normalize)
     return torch.ops.loraserve.moe_route(logits, top_k, normalize)
 
@@ -133,7 +128,7 @@ def fits(x: torch.Tensor, w13: torch.Tensor, rows: int) -> bool:
 def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor, token: torch.Tensor,
             weight: torch.Tensor) -> torch.Tensor:
     """The block's (partial) output [T, H] for its sorted rows (see the module docstring)."""
-    if _eager():
+    if native.eager():
         return _experts_impl(x, w13, w2, offsets, token, weight)
     return torch.ops.loraserve.moe_experts(x, w13, w2, offsets, token, weight)
 
@@ -154,7 +149,7 @@ def _combine_impl(y, token, weight, tokens: int):
 
 def combine(y: torch.Tensor, token: torch.Tensor, weight: torch.Tensor, tokens: int) -> torch.Tensor:
     """out [tokens, H]: out[t] = the sum of weight[n] * y[n] over t's rows n, in their order."""
-    if _eager():
+    if native.eager():
         return _combine_impl(y, token, weight, tokens)
     return torch.ops.loraserve.moe_combine(y, token, weight, tokens)
 

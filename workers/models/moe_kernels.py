@@ -31,7 +31,6 @@ import logging
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from workers.models.moe_experts import ExpertRows
 
@@ -71,7 +70,7 @@ class NpuMoeKernel:
 
     def route(self, x: torch.Tensor, router, num_experts: int):
         """The step's (token, choice) rows sorted by expert, on the device, with their Dispatch."""
-        logits = F.linear(x, router.weight)
+        logits = router.logits(x)
         probs, ids, _ = self.ops.npu_moe_gating_top_k_softmax(logits.float(), k=router.top_k)
         if router.norm_topk_prob:
             probs = probs / probs.sum(dim=-1, keepdim=True)

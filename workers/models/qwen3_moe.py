@@ -45,8 +45,11 @@ class Router(nn.Module):
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.weight = nn.Parameter(torch.empty(num_experts(cfg), cfg.hidden_size), requires_grad=False)
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, self.weight)
+        logits = self.logits(x)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
@@ -63,14 +66,15 @@ class SparseMoeBlock(nn.Module):
         self.kernel = None   # the NPU's MoE ops (moe_kernels.NpuMoeKernel), set by use_moe_kernel; None: torch
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        grouped = self.kernel is None and self.experts.gate_up_proj.grouped(x)
         if self.kernel is not None:
             rows = self.kernel.route(x, self.gate, self.experts.num_experts)
-        elif self.experts.gate_up_proj.grouped(x) and moe_fused.applies(x):   # the softmax, top-k and sort in C
-            rows = route_grouped(F.linear(x, self.gate.weight), self.gate.top_k, self.gate.norm_topk_prob)
+        elif grouped and moe_fused.applies(x):   # the softmax, top-k and sort in C
+            rows = route_grouped(self.gate.logits(x), self.gate.top_k, self.gate.norm_topk_prob)
         else:
             weights, ids = self.gate(x)
             rows = group_rows(weights, ids, self.experts.num_experts, batch.graph_safe or self._graph_lora(batch),
-                              self.experts.gate_up_proj.grouped(x))
+                              grouped)
         return self.tp.all_reduce(self.experts(x, rows, batch.lora))
 
     @staticmethod
