@@ -31,9 +31,10 @@ class MoeExpertsLoRA(nn.Module):
     """The experts with each row's adapter delta added to its gate/up and down outputs."""
 
     def __init__(self, base: nn.Module, gate_up: LayerLoRA | None, down: LayerLoRA | None, backend: LoRABackend,
-                 pool):
+                 pool, fused=None):
         super().__init__()
         self.base, self.gate_up_op, self.down_op = base, gate_up, down
+        self.fused = fused   # the buffers as the base's fused block reads them (CPU backend), or None
         self.backend, self.expert_ranks = backend, pool.expert_ranks   # by expert slot, read live (loads update it)
         self.expert_slot_of, self.expert_slot_of_device = pool.expert_slot_of, pool.expert_slot_of_device
 
@@ -64,6 +65,14 @@ class MoeExpertsLoRA(nn.Module):
         return info if info.has_lora else None
 
     def forward(self, x: torch.Tensor, rows, lora: LoRABatchInfo | None = None) -> torch.Tensor:
+        if self.fused is not None and lora is not None and lora.has_lora and not lora.use_graph:
+            gate_up = self.gate_up_op is not None and lora.computes("experts_gate_up")
+            down = self.down_op is not None and lora.computes("experts_down")
+            slot_of = self.expert_slot_of
+            token_slot = torch.tensor([slot_of[s] if s >= 0 else -1 for s in lora.token_slots_host], dtype=torch.int64)
+            y = self.base.forward_lora(x, rows, self.fused, token_slot, torch.tensor(self.expert_ranks), gate_up, down)
+            if y is not None:   # the block ran in one call, the LoRA inside it
+                return y
         info = self.row_info(rows, lora)
         if info is None:
             return self.base(x, rows)
@@ -87,16 +96,21 @@ def wrap_experts(model: nn.Module, backend: LoRABackend, pool) -> int:
         if gate_up is None and down is None:
             continue
         base = layer.mlp.experts
-        ops = []
+        ops, operands = [], []
         for name, pair in (("experts_gate_up", gate_up), ("experts_down", down)):
             if pair is None:
                 ops.append(None)
+                operands.append(None)
                 continue
             a, b = pair
             offsets = [0]
             for b_s in b:
                 offsets.append(offsets[-1] + b_s.shape[1])
-            ops.append(backend.bind(f"{index}.{name}", a, b, tuple(offsets), a_shared=pool.a_shared.get((index, name))))
-        layer.mlp.experts = MoeExpertsLoRA(base, *ops, backend, pool)
+            a_shared = pool.a_shared.get((index, name))
+            ops.append(backend.bind(f"{index}.{name}", a, b, tuple(offsets), a_shared=a_shared))
+            operands.append((a, b, tuple(offsets), a_shared))
+        # the CPU backend's LoRA kernel also runs inside the base's fused MoE block (the same code, the same bits)
+        fused = base.expert_lora(*operands) if backend.name == "cpu" and hasattr(base, "expert_lora") else None
+        layer.mlp.experts = MoeExpertsLoRA(base, *ops, backend, pool, fused)
         wrapped += 1
     return wrapped

@@ -30,6 +30,7 @@ def test_the_code_paths_of_older_cpus_match_too(arch, tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(TESTS / "test_cpu_sgmv.py"),
          str(TESTS / "test_cpu_attention.py"), str(TESTS / "test_cpu_ops.py"), str(TESTS / "test_moe_fused.py"),
+         str(TESTS / "test_moe_fused_lora.py"),
          "-k", "matches"],
         cwd=TESTS.parent, text=True, capture_output=True, timeout=300,
         env={**os.environ, "LORASERVE_KERNEL_ARCH": arch, "LORASERVE_KERNEL_DIR": str(tmp_path)})

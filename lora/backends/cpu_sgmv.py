@@ -136,7 +136,7 @@ class Prepared:
             raise ValueError(f"a_shared must be a contiguous int64 CPU tensor of the {a.shape[0]} slots")
         self._a_shared = a_shared   # outlives the pointer below
         self.dtype, self.in_dim, self.width, stack = a.dtype, a.shape[2], offsets[-1], len(b)
-        self._b = tuple(b)   # the buffers must outlive the pointers below
+        self._a, self._b = a, tuple(b)   # the buffers must outlive the pointers below
         self._slices = (ctypes.c_int64 * (3 * stack))(*[b_s.data_ptr() for b_s in b], *[b_s.shape[1] for b_s in b],
                                                       *offsets[:-1])
         base = ctypes.addressof(self._slices)
@@ -145,6 +145,12 @@ class Prepared:
                            a_shared.data_ptr() if a_shared is not None else 0)
         self._address = ctypes.addressof(self._args)
         self._fn = getattr(lib, _SYMBOLS[a.dtype][0])
+
+    @property
+    def args(self) -> _Args:
+        """The fixed operands (x, y and the groups unset), for a kernel that embeds this layer's LoRA
+        (workers/models/moe_fused.py); this object must outlive their copy."""
+        return self._args
 
     def run(self, y: torch.Tensor, x: torch.Tensor, groups) -> None:
         """y += the kernel groups' deltas (lora.batch.KernelGroups)."""

@@ -19,6 +19,7 @@
  * moe_experts and moe_combine give the unfused path's bits; moe_route differs from torch's softmax only in exp's
  * last bit (ties in the top-k go to the lower expert id).
  */
+#include "../../lora/sgmv.h"
 #include "../../lora/vec.h"
 #include "moe_gemm.h"
 
@@ -85,7 +86,60 @@ typedef struct {
     int64_t num_rows;
     void *rows_out;              /* [num_rows, hidden] scratch: each row's down output */
     void *out;                   /* [tokens, hidden] out */
+    const struct experts_lora *lora;   /* NULL: the base experts only */
 } experts_args;
+
+/* Expert LoRA inside the block: row n (token t, expert e) of a token whose adapter holds expert slot m =
+ * token_slot[t] >= 0 gets, after gate_up and after down, the LoRA delta of combined index m * E + e of the slot
+ * pool's expert buffers (lora/expert_layers.py), computed by lora/sgmv.h's code on the expert's thread: an expert's
+ * rows of one expert slot are one group, rows in order, as the separate sgmv calls group them. */
+typedef struct experts_lora {
+    const int64_t *token_slot;   /* [tokens]: each token's expert slot, -1 none */
+    const int64_t *rank;         /* [num_expert_slots]: each expert slot's rank (0: empty), clamped to R */
+    int64_t num_expert_slots;
+    sgmv_args gate_up, down;     /* the buffers' fixed operands; a NULL: that projection has no LoRA this step */
+} experts_lora;
+
+/* The groups of expert e's rows [0, n) (token[] theirs): each expert slot's rows in order, at most 4n + 1 of
+ * scratch; their count. */
+static int64_t lora_groups(const experts_lora *l, int64_t R, int64_t E, int64_t e, const int64_t *token, int64_t n,
+                           int64_t *scratch, int64_t **slot, int64_t **rank, int64_t **start, int64_t **rows) {
+    *slot = scratch, *rank = scratch + n, *start = scratch + 2 * n, *rows = scratch + 3 * n + 1;
+    int64_t G = 0, taken = 0;
+    (*start)[0] = 0;
+    for (int64_t r = 0; r < n; r++) {
+        const int64_t m = l->token_slot[token[r]];
+        const int64_t k = m < 0 ? 0 : l->rank[m] < R ? l->rank[m] : R;
+        int seen = 0;
+        for (int64_t q = 0; q < r && !seen; q++) seen = l->token_slot[token[q]] == m;
+        if (k <= 0 || seen) continue;
+        (*slot)[G] = m * E + e, (*rank)[G] = k;
+        for (int64_t q = r; q < n; q++)
+            if (l->token_slot[token[q]] == m) (*rows)[taken++] = q;
+        (*start)[++G] = taken;
+    }
+    return G;
+}
+
+/* y [n, .] (row stride y_stride) += each row's delta of one projection (`fixed`), x [n, .] its input. */
+#define DEFINE_EXPERT_LORA(NAME, T, GROUP)                                                                  \
+static int NAME(const sgmv_args *fixed, const experts_lora *l, int64_t E, int64_t e, const int64_t *token, \
+                int64_t n, const T *x, int64_t x_stride, T *y, int64_t y_stride, int64_t *scratch, T *hb) { \
+    if (!fixed->a) return 0;                                                                             \
+    sgmv_args args = *fixed;                                                                             \
+    int64_t *slot, *rank, *start, *rows;                                                                 \
+    const int64_t G = lora_groups(l, fixed->R, E, e, token, n, scratch, &slot, &rank, &start, &rows);             \
+    args.x = x, args.x_stride = x_stride, args.y = y, args.y_stride = y_stride, args.num_rows = n;       \
+    args.group_slot = slot, args.group_rank = rank, args.group_start = start, args.rows = rows;          \
+    args.num_indices = n;                                                                                \
+    for (int64_t g = 0; g < G; g++) {                                                                    \
+        const int status = GROUP(&args, g, hb);                                                          \
+        if (status) return status;                                                                       \
+    }                                                                                                    \
+    return 0;                                                                                            \
+}
+DEFINE_EXPERT_LORA(expert_lora_bf16, uint16_t, sgmv_group_bf16)
+DEFINE_EXPERT_LORA(expert_lora_f32, float, sgmv_group_f32)
 
 /* out[t] = round(the fp32 sum over t's rows n, ascending, of round(y[n] * weight[n])), zero for a token without
  * rows: index_add_'s result (it accumulates a bf16 self in fp32 and rounds once); columns [c0, c1) only, at most
@@ -131,23 +185,32 @@ int NAME(const T *y, const int64_t *token, const T *weight, int64_t num_rows, in
 DEFINE_COMBINE(moe_combine_bf16, uint16_t, combine_columns_bf16)
 DEFINE_COMBINE(moe_combine_f32, float, combine_columns_f32)
 
-/* One active expert: its rows [lo, hi) gathered into xs, gate_up into h, SiLU-and-mul into act, down into rows_out. */
-#define DEFINE_EXPERT(NAME, T, ITEM, SILU)                                                                 \
-static void NAME(const experts_args *a, int64_t e, int64_t lo, int64_t hi, T *xs, T *h, T *act) {         \
+/* One active expert: its rows [lo, hi) gathered into xs, gate_up into h, SiLU-and-mul into act, down into rows_out,
+ * each projection's expert LoRA (if any) added right after it. scratch: lora_groups' and the LoRA's hb. */
+#define DEFINE_EXPERT(NAME, T, ITEM, SILU, LORA)                                                           \
+static int NAME(const experts_args *a, int64_t e, int64_t lo, int64_t hi, T *xs, T *h, T *act,           \
+                int64_t *scratch, T *hb) {                                                               \
     const int64_t H = a->hidden, I = a->inter, rows = hi - lo;                                           \
+    const int64_t *token = a->token + lo;                                                                \
     for (int64_t r = 0; r < rows; r++)                                                                   \
-        memcpy(xs + r * H, (const T *)a->x + a->token[lo + r] * a->x_stride, sizeof(T) * H);            \
+        memcpy(xs + r * H, (const T *)a->x + token[r] * a->x_stride, sizeof(T) * H);                    \
     const moe_args gate_up = {.x = xs, .x_stride = H, .in_dim = H, .w = a->w13, .out_dim = 2 * I,       \
                               .num_experts = a->num_experts, .y = h, .y_stride = 2 * I, .num_rows = rows}; \
     ITEM(&gate_up, e, 0, 2 * I, 0, rows);                                                                \
+    int status = 0;                                                                                      \
+    if (a->lora)                                                                                         \
+        status = LORA(&a->lora->gate_up, a->lora, a->num_experts, e, token, rows, xs, H, h, 2 * I, scratch, hb); \
     for (int64_t r = 0; r < rows; r++) SILU(h + r * 2 * I, I, act + r * I);                              \
+    T *y = (T *)a->rows_out + lo * H;                                                                    \
     const moe_args down = {.x = act, .x_stride = I, .in_dim = I, .w = a->w2, .out_dim = H,               \
-                           .num_experts = a->num_experts, .y = (T *)a->rows_out + lo * H, .y_stride = H,    \
-                           .num_rows = rows};                                                            \
+                           .num_experts = a->num_experts, .y = y, .y_stride = H, .num_rows = rows};      \
     ITEM(&down, e, 0, H, 0, rows);                                                                       \
+    if (a->lora && !status)                                                                              \
+        status = LORA(&a->lora->down, a->lora, a->num_experts, e, token, rows, act, I, y, H, scratch, hb); \
+    return status;                                                                                       \
 }
-DEFINE_EXPERT(expert_bf16, uint16_t, item_bf16, silu_mul_row_bf16)
-DEFINE_EXPERT(expert_f32, float, item_f32, silu_mul_row_f32)
+DEFINE_EXPERT(expert_bf16, uint16_t, item_bf16, silu_mul_row_bf16, expert_lora_bf16)
+DEFINE_EXPERT(expert_f32, float, item_f32, silu_mul_row_f32, expert_lora_f32)
 
 #define DEFINE_EXPERTS(NAME, T, EXPERT, COLUMNS)                                                           \
 int NAME(const experts_args *a) {                                                                        \
@@ -163,17 +226,28 @@ int NAME(const experts_args *a) {                                               
             free(experts);                                                                               \
             return OUT_OF_RANGE;                                                                         \
         }                                                                                                \
+    const experts_lora *l = a->lora;                                                                     \
+    for (int64_t t = 0; l && t < a->tokens; t++)                                                         \
+        if (l->token_slot[t] >= l->num_expert_slots) {                                                   \
+            free(experts);                                                                               \
+            return OUT_OF_RANGE;                                                                         \
+        }                                                                                                \
     for (int64_t i = 0; i < active; i++)                                                                 \
         most = off[experts[i] + 1] - off[experts[i]] > most ? off[experts[i] + 1] - off[experts[i]] : most; \
+    /* the LoRA's scratch: lora_groups' 4 most + 1 indices, sgmv.h's hb of CHUNK * stack * R (+ 32) */     \
+    const int64_t SR = l ? (l->gate_up.stack > l->down.stack ? l->gate_up.stack : l->down.stack) * l->gate_up.R : 0; \
+    const size_t lora_bytes = l ? sizeof(int64_t) * (4 * most + 1) + sizeof(T) * (CHUNK * SR + 32) : 0; \
     int failed = 0;                                                                                      \
     _Pragma("omp parallel if(active * 3 * I * H > PARALLEL_MIN) reduction(|:failed)")                   \
     {                                                                                                    \
-        T *xs = malloc(sizeof(T) * (most * (H + 3 * I) + 1));   /* xs [most, H], h [most, 2I], act [most, I] */ \
+        /* xs [most, H], h [most, 2I], act [most, I], then the LoRA's scratch */                          \
+        T *xs = malloc(sizeof(T) * (most * (H + 3 * I) + 1) + lora_bytes + 64);                          \
+        int64_t *scratch = xs ? (int64_t *)(((uintptr_t)(xs + most * (H + 3 * I) + 1) + 63) & ~(uintptr_t)63) : NULL; \
         if (!xs) failed = 1;                                                                             \
         _Pragma("omp for schedule(dynamic, 1)")                                                         \
         for (int64_t i = 0; i < active; i++)                                                             \
-            if (xs) EXPERT(a, experts[i], off[experts[i]], off[experts[i] + 1], xs, xs + most * H,       \
-                           xs + most * (H + 2 * I));                                                     \
+            if (xs) failed |= EXPERT(a, experts[i], off[experts[i]], off[experts[i] + 1], xs, xs + most * H, \
+                                     xs + most * (H + 2 * I), scratch, (T *)(scratch + 4 * most + 1));   \
         free(xs);                                                                                        \
         _Pragma("omp for")   /* after the loop's barrier: every row's down output is in rows_out */      \
         for (int64_t c = 0; c < H; c += COMBINE_CHUNK)                                                   \

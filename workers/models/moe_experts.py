@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from lora import native
+from lora.backends import cpu_sgmv
 from workers.models import cpu_moe, moe_fused
 from workers.models.llama import MLP
 from workers.parallel import PACK_BATCH_HINT, TPGroup, _divide, _narrow, linear
@@ -189,6 +190,26 @@ class MoeExperts(nn.Module):
                                      rows.weight)
         xs = self.gather(x, rows)
         return self.combine(self.down(self.act(self.gate_up(xs, rows)), rows), rows, x.shape[0])
+
+
+    def expert_lora(self, gate_up: tuple | None, down: tuple | None) -> moe_fused.ExpertLoRA | None:
+        """The expert LoRA buffers as the fused block reads them (moe_fused.ExpertLoRA: (a, b, offsets, a_shared)
+        each), None where the block's kernels are not built or do not take them."""
+        if not (moe_fused.available() and cpu_sgmv.available()):
+            return None
+        try:
+            return moe_fused.ExpertLoRA(gate_up, down, self.num_experts)
+        except ValueError:
+            return None
+
+    def forward_lora(self, x: torch.Tensor, rows: ExpertRows, lora: moe_fused.ExpertLoRA, token_slot: torch.Tensor,
+                     ranks: torch.Tensor, gate_up: bool, down: bool) -> torch.Tensor | None:
+        """forward's fused block with each row's expert LoRA inside (moe_fused.experts_lora); None where the block
+        does not run this step (the caller adds the LoRA between the separate projections)."""
+        if rows.offsets is None or not moe_fused.fits(x, self.gate_up_proj.weight, rows.token.shape[0]):
+            return None
+        return moe_fused.experts_lora(x, self.gate_up_proj.weight, self.down_proj.weight, rows.offsets, rows.token,
+                                      rows.weight, lora, token_slot, ranks, gate_up, down)
 
 
 def route_grouped(logits: torch.Tensor, top_k: int, normalize: bool) -> ExpertRows:

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from lora import native
+from lora.backends import cpu_sgmv
 from workers.models import cpu_moe
 
 SOURCE = Path(__file__).with_name("cpu_moe_fused.c")
@@ -50,7 +51,13 @@ class _ExpertsArgs(ctypes.Structure):
     """experts_args of cpu_moe_fused.c, field for field."""
     _fields_ = [("x", _P), ("x_stride", _I), ("tokens", _I), ("hidden", _I), ("inter", _I), ("num_experts", _I),
                 ("w13", _P), ("w2", _P), ("offsets", _P), ("token", _P), ("weight", _P), ("num_rows", _I),
-                ("rows_out", _P), ("out", _P)]
+                ("rows_out", _P), ("out", _P), ("lora", _P)]
+
+
+class _ExpertLoRAArgs(ctypes.Structure):
+    """experts_lora of cpu_moe_fused.c, field for field."""
+    _fields_ = [("token_slot", _P), ("rank", _P), ("num_expert_slots", _I), ("gate_up", cpu_sgmv._Args),
+                ("down", cpu_sgmv._Args)]
 
 
 def applies(x: torch.Tensor) -> bool:
@@ -108,14 +115,14 @@ def _experts_check(x, w13, w2, offsets, token, weight) -> None:
                          "per row)")
 
 
-def _experts_impl(x, w13, w2, offsets, token, weight):
+def _experts_impl(x, w13, w2, offsets, token, weight, lora: _ExpertLoRAArgs | None = None):
     _experts_check(x, w13, w2, offsets, token, weight)
     T, H = x.shape
     out = torch.empty(T, H, dtype=x.dtype)
     rows_out = torch.empty(token.shape[0], H, dtype=x.dtype)
     args = _ExpertsArgs(x.data_ptr(), x.stride(0), T, H, w13.shape[1] // 2, w13.shape[0], w13.data_ptr(),
                         w2.data_ptr(), offsets.data_ptr(), token.data_ptr(), weight.data_ptr(), token.shape[0],
-                        rows_out.data_ptr(), out.data_ptr())
+                        rows_out.data_ptr(), out.data_ptr(), ctypes.addressof(lora) if lora is not None else 0)
     _status(getattr(_load(), f"moe_experts_{_SUFFIX[x.dtype]}")(ctypes.addressof(args)), "moe_experts")
     return out
 
@@ -131,6 +138,56 @@ def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offsets: torch
     if native.eager():
         return _experts_impl(x, w13, w2, offsets, token, weight)
     return torch.ops.loraserve.moe_experts(x, w13, w2, offsets, token, weight)
+
+
+# ---- the experts with their LoRA ---------------------------------------------------------------------------------
+class ExpertLoRA:
+    """One MoE layer's expert LoRA buffers (the slot pool's: lora/slots.py, never moved) as moe_experts reads them:
+    each projection's LoRA computed by the CPU LoRA kernel's code (lora/sgmv.h) inside the block, the same bits as
+    its separate calls. Eager steps only (a captured decode keeps the separate, graph-safe calls).
+
+    gate_up, down: (a, b slices, offsets, a_shared) of the projection's expert buffers, None where it has none."""
+
+    def __init__(self, gate_up: tuple | None, down: tuple | None, num_experts: int):
+        self.prepared = {name: cpu_sgmv.Prepared(*pair) for name, pair in (("gate_up", gate_up), ("down", down))
+                         if pair is not None}   # outlive the copies of their operands below
+        ranks = {p.args.R for p in self.prepared.values()}
+        slots = {pair[0].shape[0] for pair in (gate_up, down) if pair is not None}
+        if len(ranks) != 1 or len(slots) != 1 or next(iter(slots)) % num_experts:
+            raise ValueError(f"expert LoRA buffers of ranks {ranks} and slots {slots} for {num_experts} experts")
+        self.dtype = next(iter(self.prepared.values())).dtype
+        self.num_expert_slots = next(iter(slots)) // num_experts
+        self.args = _ExpertLoRAArgs(0, 0, self.num_expert_slots)
+        self.a = {}
+        for name, prepared in self.prepared.items():
+            setattr(self.args, name, prepared.args)
+            self.a[name] = prepared.args.a
+
+    def bind(self, token_slot: torch.Tensor, ranks: torch.Tensor, gate_up: bool, down: bool) -> _ExpertLoRAArgs:
+        """The arguments for one call: each token's expert slot (-1: none), each expert slot's rank, and which
+        projections take their LoRA this step (the tensors must live through the call)."""
+        if not (token_slot.dtype == ranks.dtype == torch.int64 and token_slot.dim() == 1 and token_slot.is_contiguous()
+                and ranks.shape == (self.num_expert_slots,) and ranks.is_contiguous()):
+            raise ValueError(f"expert LoRA: token slots {tuple(token_slot.shape)} {token_slot.dtype}, ranks "
+                             f"{tuple(ranks.shape)} {ranks.dtype} (int64, one rank per each of the "
+                             f"{self.num_expert_slots} expert slots)")
+        if token_slot.numel() and int(token_slot.max()) >= self.num_expert_slots:
+            raise ValueError(f"expert LoRA: a token's expert slot {int(token_slot.max())} is past the "
+                             f"{self.num_expert_slots} expert slots")
+        self.args.token_slot, self.args.rank = token_slot.data_ptr(), ranks.data_ptr()
+        self.args.gate_up.a = self.a["gate_up"] if gate_up and "gate_up" in self.a else 0
+        self.args.down.a = self.a["down"] if down and "down" in self.a else 0
+        return self.args
+
+
+def experts_lora(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor, token: torch.Tensor,
+                 weight: torch.Tensor, lora: ExpertLoRA, token_slot: torch.Tensor, ranks: torch.Tensor,
+                 gate_up: bool = True, down: bool = True) -> torch.Tensor:
+    """`experts` with each row's expert LoRA added after its projections (ExpertLoRA.bind's arguments)."""
+    if token_slot.shape != (x.shape[0],) or x.dtype != lora.dtype:
+        raise ValueError(f"expert LoRA: {tuple(token_slot.shape)} token slots for x {tuple(x.shape)} {x.dtype} "
+                         f"(one per token; the buffers are {lora.dtype})")
+    return _experts_impl(x, w13, w2, offsets, token, weight, lora.bind(token_slot, ranks, gate_up, down))
 
 
 # ---- the combine alone ------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@
 #include <stdlib.h>
 
 #include "../../lora/native.h"
+#include "../../lora/status.h"
 
 typedef struct {
     const void *x;
@@ -20,7 +21,7 @@ typedef struct {
     int64_t y_stride, num_rows;
 } moe_args;
 
-enum { OUT_OF_MEMORY = 1, OUT_OF_RANGE = 2, NO_AMX = 3, WRONG_SHAPE = 4 };
+enum { NO_AMX = 3, WRONG_SHAPE = 4 };   /* after status.h's */
 #define OB 4               /* outputs of one block */
 #define TB 4               /* rows of one block */
 #define ITEM_OUT 64        /* outputs of one thread's work item */
