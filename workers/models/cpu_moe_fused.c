@@ -7,7 +7,9 @@
  *   moe_experts: for every active expert, its rows of x gathered, gate_up, SiLU-and-mul, down (the same vector
  *                block as cpu_moe.c's grouped GEMM, on the same [E, out, in] weights), then every token's rows
  *                weighted and summed: the block's partial output in one parallel region.
- *   moe_combine: that weighted sum alone (the paths that keep the projections apart: expert LoRA, prefill).
+ *                With expert LoRA operands (experts_lora below), each row's LoRA after its gate_up and its down.
+ *   moe_combine: that weighted sum alone (the paths that keep the projections apart: prefill, a captured decode
+ *                with expert LoRA).
  *
  * Why: at decode a MoE layer streams ~190 MB of expert weights (Qwen3-30B-A3B's shape, 16 tokens) and every small
  * op between the streams runs on cold caches at 3-28x its isolated time (RESULTS.md, "What a small op costs after

@@ -9,7 +9,10 @@
         then each token's rows weighted and summed: MoeExperts.forward in one call, its bits (cpu_moe_fused.c).
     loraserve::moe_combine(y, token, weight, tokens) -> out [T, H]
         MoeExperts.combine (index_add_ of the weighted rows, rows ascending), for the paths that keep the
-        projections apart (expert LoRA between them, prefill on the AMX kernel).
+        projections apart (prefill on the AMX kernel, a captured decode's expert LoRA between them).
+    experts_lora(..., ExpertLoRA, token_slot, ranks): moe_experts with each row's expert LoRA added right after its
+        gate_up and down by the CPU LoRA kernel's code (lora/sgmv.h): an eager decode step with expert adapters in
+        one call, the separate calls' bits (a direct call, not an op: eager only).
 
 Why (benchmarks/results/moe_fused.md): each small op between a layer's expert-weight streams runs on cold caches; a decode
 layer was ~9 such calls. Where it applies: the CPU, bf16 / fp32, the grouped kernel on (cpu_moe.applies), and
