@@ -41,6 +41,7 @@ SHAPES = [   # (rows per expert, in, out): tails of every block and vector
     ([6, 0, 1], 24, 64), ([5, 0, 7], 32, 16), ([9, 3], 64, 40),
     # the AMX tiles' (dims multiples of 32): row blocks of 16 in pairs, a pair's second block partial or absent
     ([17, 0, 33, 1], 64, 96), ([40], 1024, 64), ([3, 16, 0, 32], 32, 32),
+    ([300, 0, 520], 64, 96),   # past cpu_moe.c's ROW_CHUNK (256): an expert's rows in several tasks
 ]
 
 
