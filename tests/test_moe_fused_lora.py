@@ -64,10 +64,12 @@ CASES = [   # (tokens, experts, top_k, hidden, inter, expert slots): vector tail
 
 
 @DTYPES
-@pytest.mark.parametrize("projections", [(True, True), (True, False), (False, True)], ids=["both", "gate_up", "down"])
+@pytest.mark.parametrize("projections,absent", [((True, True), False), ((True, False), False), ((False, True), False),
+                                                ((True, False), True), ((False, True), True)],
+                         ids=["both", "gate_up", "down", "gate_up_buffers_only", "down_buffers_only"])
 @pytest.mark.parametrize("tokens,experts,top_k,hidden,inter,M", CASES)
 def test_the_block_with_expert_lora_matches_the_separate_lora_calls(tokens, experts, top_k, hidden, inter, M, dtype,
-                                                                     projections, monkeypatch):
+                                                                     projections, absent, monkeypatch):
     monkeypatch.setattr(cpu_moe, "KERNEL_ROWS_PER_EXPERT", 10 ** 9)   # the reference on the same vector kernel
     gen = torch.Generator().manual_seed(hidden + M)
     x = torch.randn(tokens, hidden, generator=gen).to(dtype)
@@ -76,7 +78,8 @@ def test_the_block_with_expert_lora_matches_the_separate_lora_calls(tokens, expe
     ops, ranks = _buffers(M, experts, hidden, inter, dtype, gen, shared_slot=M - 1)
     rows = moe_experts.route_grouped(torch.randn(tokens, experts, generator=gen).to(dtype), top_k, True)
     token_slot = torch.randint(-1, M, (tokens,), generator=gen)   # -1: a base token
-    lora = moe_fused.ExpertLoRA(*ops, experts)
+    # absent: the other projection has no buffers at all (an adapter set without it), else it is only off this step
+    lora = moe_fused.ExpertLoRA(*(op if on or not absent else None for op, on in zip(ops, projections)), experts)
     got = moe_fused.experts_lora(x, w13, w2, rows.offsets, rows.token, rows.weight, lora, token_slot, ranks,
                                  *projections)
     expected = _unfused(x, w13, w2, rows, ops, token_slot, ranks, experts, *projections)

@@ -123,14 +123,13 @@ static int64_t lora_groups(const experts_lora *l, int64_t R, int64_t E, int64_t 
     return G;
 }
 
-/* y [n, .] (row stride y_stride) += each row's delta of one projection (`fixed`), x [n, .] its input. */
+/* y [n, .] (row stride y_stride) += each row's delta of one projection (`fixed`; NULL a: none), x [n, .] its input,
+ * for the groups of lora_groups. */
 #define DEFINE_EXPERT_LORA(NAME, T, GROUP)                                                                  \
-static int NAME(const sgmv_args *fixed, const experts_lora *l, int64_t E, int64_t e, const int64_t *token, \
-                int64_t n, const T *x, int64_t x_stride, T *y, int64_t y_stride, int64_t *scratch, T *hb) { \
+static int NAME(const sgmv_args *fixed, int64_t G, int64_t *slot, int64_t *rank, int64_t *start, int64_t *rows, \
+                int64_t n, const T *x, int64_t x_stride, T *y, int64_t y_stride, T *hb) {                \
     if (!fixed->a) return 0;                                                                             \
     sgmv_args args = *fixed;                                                                             \
-    int64_t *slot, *rank, *start, *rows;                                                                 \
-    const int64_t G = lora_groups(l, fixed->R, E, e, token, n, scratch, &slot, &rank, &start, &rows);             \
     args.x = x, args.x_stride = x_stride, args.y = y, args.y_stride = y_stride, args.num_rows = n;       \
     args.group_slot = slot, args.group_rank = rank, args.group_start = start, args.rows = rows;          \
     args.num_indices = n;                                                                                \
@@ -192,23 +191,26 @@ DEFINE_COMBINE(moe_combine_f32, float, combine_columns_f32)
 #define DEFINE_EXPERT(NAME, T, ITEM, SILU, LORA)                                                           \
 static int NAME(const experts_args *a, int64_t e, int64_t lo, int64_t hi, T *xs, T *h, T *act,           \
                 int64_t *scratch, T *hb) {                                                               \
-    const int64_t H = a->hidden, I = a->inter, rows = hi - lo;                                           \
+    const int64_t H = a->hidden, I = a->inter, rows = hi - lo, E = a->num_experts;                      \
     const int64_t *token = a->token + lo;                                                                \
+    const experts_lora *l = a->lora;                                                                     \
     for (int64_t r = 0; r < rows; r++)                                                                   \
         memcpy(xs + r * H, (const T *)a->x + token[r] * a->x_stride, sizeof(T) * H);                    \
+    int64_t G = 0, *slot = NULL, *rank = NULL, *start = NULL, *idx = NULL;                               \
+    if (l)   /* one R for both (a projection without buffers has 0) */                                    \
+        G = lora_groups(l, l->gate_up.R > l->down.R ? l->gate_up.R : l->down.R, E, e, token, rows, scratch, \
+                        &slot, &rank, &start, &idx);                                                     \
     const moe_args gate_up = {.x = xs, .x_stride = H, .in_dim = H, .w = a->w13, .out_dim = 2 * I,       \
-                              .num_experts = a->num_experts, .y = h, .y_stride = 2 * I, .num_rows = rows}; \
+                              .num_experts = E, .y = h, .y_stride = 2 * I, .num_rows = rows};            \
     ITEM(&gate_up, e, 0, 2 * I, 0, rows);                                                                \
     int status = 0;                                                                                      \
-    if (a->lora)                                                                                         \
-        status = LORA(&a->lora->gate_up, a->lora, a->num_experts, e, token, rows, xs, H, h, 2 * I, scratch, hb); \
+    if (G) status = LORA(&l->gate_up, G, slot, rank, start, idx, rows, xs, H, h, 2 * I, hb);            \
     for (int64_t r = 0; r < rows; r++) SILU(h + r * 2 * I, I, act + r * I);                              \
     T *y = (T *)a->rows_out + lo * H;                                                                    \
     const moe_args down = {.x = act, .x_stride = I, .in_dim = I, .w = a->w2, .out_dim = H,               \
-                           .num_experts = a->num_experts, .y = y, .y_stride = H, .num_rows = rows};      \
+                           .num_experts = E, .y = y, .y_stride = H, .num_rows = rows};                   \
     ITEM(&down, e, 0, H, 0, rows);                                                                       \
-    if (a->lora && !status)                                                                              \
-        status = LORA(&a->lora->down, a->lora, a->num_experts, e, token, rows, act, I, y, H, scratch, hb); \
+    if (G && !status) status = LORA(&l->down, G, slot, rank, start, idx, rows, act, I, y, H, hb);       \
     return status;                                                                                       \
 }
 DEFINE_EXPERT(expert_bf16, uint16_t, item_bf16, silu_mul_row_bf16, expert_lora_bf16)
@@ -237,7 +239,8 @@ int NAME(const experts_args *a) {                                               
     for (int64_t i = 0; i < active; i++)                                                                 \
         most = off[experts[i] + 1] - off[experts[i]] > most ? off[experts[i] + 1] - off[experts[i]] : most; \
     /* the LoRA's scratch: lora_groups' 4 most + 1 indices, sgmv.h's hb of CHUNK * stack * R (+ 32) */     \
-    const int64_t SR = l ? (l->gate_up.stack > l->down.stack ? l->gate_up.stack : l->down.stack) * l->gate_up.R : 0; \
+    const int64_t R = l ? (l->gate_up.R > l->down.R ? l->gate_up.R : l->down.R) : 0;                    \
+    const int64_t SR = (l && l->gate_up.stack > l->down.stack ? l->gate_up.stack : l ? l->down.stack : 0) * R; \
     const size_t lora_bytes = l ? sizeof(int64_t) * (4 * most + 1) + sizeof(T) * (CHUNK * SR + 32) : 0; \
     int failed = 0;                                                                                      \
     _Pragma("omp parallel if(active * 3 * I * H > PARALLEL_MIN) reduction(|:failed)")                   \
