@@ -1,4 +1,4 @@
-"""Builds and loads the repo's small C kernels (lora/backends/cpu_sgmv.c, workers/cpu_attention.c; native.h, vec.h).
+"""Builds and loads the repo's small C kernels (lora/backends/cpu_sgmv.c, workers/cpu_attention.c; their headers).
 
 Plain C, no torch headers: the system C compiler builds one in about a second, on first use,
 into `.cache/kernels/` of the checkout (installed: ~/.cache/loraserve/kernels; or

@@ -59,7 +59,8 @@ def _unfused(x, w13, w2, rows, ops, token_slot, ranks, E, gate_up, down):
 
 
 CASES = [   # (tokens, experts, top_k, hidden, inter, expert slots): vector tails, 64-output items, an empty expert
-    (16, 128, 8, 1024, 384, 8), (3, 8, 2, 72, 40, 3), (5, 16, 2, 64, 24, 4), (2, 40, 3, 300, 1, 2), (9, 4, 4, 48, 20, 4),
+    (16, 128, 8, 1024, 384, 8), (3, 8, 2, 72, 40, 3), (5, 16, 2, 64, 24, 4), (2, 40, 3, 300, 1, 2),
+    (9, 4, 4, 48, 20, 4),
 ]
 
 
@@ -125,9 +126,9 @@ def moe_files(tmp_path_factory):
 
 def _generate(path, adapters, names, monkeypatch, fused: bool):
     monkeypatch.setattr(moe_fused, "ENABLED", fused)
-    calls = []   # the block's calls with LoRA operands
-    monkeypatch.setattr(moe_fused, "_experts_impl",
-                        lambda *a, run=moe_fused._experts_impl: calls.append(len(a) > 6 and a[6] is not None) or run(*a))
+    calls = []   # per call of the block: whether it had LoRA operands
+    run = moe_fused._experts_impl
+    monkeypatch.setattr(moe_fused, "_experts_impl", lambda *a: calls.append(len(a) > 6 and a[6] is not None) or run(*a))
     engine = engine_with_adapters(path, adapters, max_lora_rank=8)
     try:
         out = engine.generate([PROMPTS[i % len(PROMPTS)] for i in range(len(names))],

@@ -37,7 +37,7 @@ def supports(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: Sequence[torc
 
 
 class _Args(ctypes.Structure):
-    """sgmv_args of cpu_sgmv.c, field for field (b, out_dims and y_offsets point into one int64 array)."""
+    """sgmv_args of lora/sgmv.h, field for field (b, out_dims and y_offsets point into one int64 array)."""
     _fields_ = [("x", ctypes.c_void_p), ("x_stride", ctypes.c_int64), ("in_dim", ctypes.c_int64),
                 ("a", ctypes.c_void_p), ("a_slot_stride", ctypes.c_int64), ("stack", ctypes.c_int64),
                 ("R", ctypes.c_int64), ("b", ctypes.c_void_p), ("out_dims", ctypes.c_void_p),
