@@ -191,7 +191,6 @@ class MoeExperts(nn.Module):
         xs = self.gather(x, rows)
         return self.combine(self.down(self.act(self.gate_up(xs, rows)), rows), rows, x.shape[0])
 
-
     def expert_lora(self, gate_up: tuple | None, down: tuple | None) -> moe_fused.ExpertLoRA | None:
         """The expert LoRA buffers as the fused block reads them (moe_fused.ExpertLoRA: (a, b, offsets, a_shared)
         each), None where the block's kernels are not built or do not take them."""
