@@ -14,8 +14,9 @@ halved rather than quartered: at rank 16 a scaled shape inflates LoRA's share of
 results/moe.md). Adapters: rank 16 on q/k/v/o and on every expert's gate/up/down (PEFT 0.21
 target_parameters, made by PEFT itself so that PEFT loads them back). Workloads (greedy, ignore_eos, one wave of `batch`
 requests, equal prompt lengths): base only, and 8 adapters uniformly mixed. Rounds alternate the runs
-(order rotated) and every ratio is taken within one round; medians over rounds are reported, per wall
-second and (ours) per CPU second of the process: with one thread on a machine shared with other jobs,
+(order rotated), each timed run right after an untimed one of the same system and workload (a run is ~4 %
+faster after itself: results/moe_fused_lora.md), and every ratio is taken within one round; medians over rounds are
+reported, per wall second and (ours) per CPU second of the process: with one thread on a machine shared with other jobs,
 the latter is what the work costs. --kernel-ab runs two of our engines instead, `before` built with the grouped
 expert GEMM off (LORASERVE_MOE_KERNEL=0's path: prepacked oneDNN weights, one GEMM per active expert) and `after`
 with it, alternating in the same rounds; --fused-ab the same with LORASERVE_MOE_FUSED's switch (moe_fused.ENABLED)
@@ -200,6 +201,9 @@ def run(sizes: Sizes = FULL, dtype: str = "bfloat16", rounds: int | None = None,
         for system, w in runs[r % len(runs):] + runs[:r % len(runs)]:
             if system in engines:
                 moe_fused.ENABLED = not fused_ab or system == "after"
+                # each run right after an untimed one of itself: a run is ~4 % faster after itself than after the
+                # other workload (what of its weights the L3 kept), which split the rounds by their order
+                run_requests(engines[system], prompts, plans[w], sizes.max_tokens)
                 cpu = time.process_time()
                 t = run_requests(engines[system], prompts, plans[w], sizes.max_tokens)
                 results[f"{system}_{w}"] = dict(t.summary(), cpu_tok_s=t.output_tokens / (time.process_time() - cpu))
