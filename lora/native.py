@@ -131,10 +131,23 @@ def huge_page_copy(w: torch.Tensor) -> torch.Tensor:
     experts' time (results/moe_grouped.md), ~15% of the W8A8 linears' in a batch-1 step (results/w8a8_fused.md)."""
     if not hasattr(mmap, "MADV_HUGEPAGE") or not w.is_cpu or w.numel() == 0:
         return w
-    buffer = mmap.mmap(-1, w.numel() * w.element_size(), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return huge_page_zeros(w.shape, w.dtype).copy_(w)
+
+
+def huge_page_zeros(shape, dtype: torch.dtype) -> torch.Tensor:
+    """torch.zeros(shape, dtype) on the CPU in a mapping advised as huge_page_copy's, without a second copy in
+    memory at any time (the slot pool's expert buffers can be most of the host memory: lora/slots.py); plain zeros
+    where the platform has no MADV_HUGEPAGE."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    size = numel * torch.empty(0, dtype=dtype).element_size()
+    if not hasattr(mmap, "MADV_HUGEPAGE") or size == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)   # zero-filled by the kernel
     buffer.madvise(mmap.MADV_HUGEPAGE)   # a hint: the kernel may still use small pages (then as before)
     # frombuffer keeps the mapping alive as long as the tensor
-    return torch.frombuffer(buffer, dtype=torch.uint8).view(w.dtype).view(w.shape).copy_(w)
+    return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)
 
 
 def eager() -> bool:

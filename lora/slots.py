@@ -6,6 +6,7 @@ written in place, so captured graphs that read them stay valid.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 from typing import Callable, Container, Iterable
@@ -163,15 +164,16 @@ class SlotPool:
 
     def _allocate(self, group: str, shape: GroupShape):
         L, R = (self.num_expert_slots * shape.experts if shape.experts else self.num_slots), self.max_rank
+        zeros = functools.partial(torch.zeros, dtype=self.dtype, device=self.device)
+        if shape.experts and self.device.type == "cpu":   # a decode step reads a few rows' blocks scattered over
+            # them: huge pages spare the page walks (the fused MoE block's expert LoRA 0.8x the time,
+            # results/moe_fused_lora.md)
+            zeros = functools.partial(native.huge_page_zeros, dtype=self.dtype)
         if group == "embed_tokens":
-            a = torch.zeros(L, shape.in_dim, R, dtype=self.dtype, device=self.device)
+            a = zeros((L, shape.in_dim, R))
         else:
-            a = torch.zeros(L, len(shape.out_dims) * R, shape.in_dim, dtype=self.dtype, device=self.device)
-        b = tuple(torch.zeros(L, out, R, dtype=self.dtype, device=self.device) for out in shape.out_dims)
-        if shape.experts:   # a decode step reads a few rows' blocks scattered over them: huge pages spare the page
-            # walks (the fused MoE block's expert LoRA 0.8x the time, results/moe_fused_lora.md)
-            return native.huge_page_copy(a), tuple(native.huge_page_copy(b_s) for b_s in b)
-        return a, b
+            a = zeros((L, len(shape.out_dims) * R, shape.in_dim))
+        return a, tuple(zeros((L, out, R)) for out in shape.out_dims)
 
     def load(self, slot: int, adapter: LoRAAdapter, expert_slot: int | None = None) -> None:
         """Copy `adapter` into `slot` (its expert weights into `expert_slot`) in place; everything it does not

@@ -127,6 +127,10 @@ def test_huge_page_copy_is_an_equal_copy_in_advised_memory():
     assert torch.equal(h, w) and h.dtype == w.dtype and h.is_contiguous()
     assert h.untyped_storage().data_ptr() != w.untyped_storage().data_ptr()
     assert huge_pages.advised(h) and not huge_pages.advised(w)
+    z = native.huge_page_zeros((4, 6), torch.bfloat16)   # the same memory, zeros without a first copy
+    assert z.shape == (4, 6) and z.dtype == torch.bfloat16 and not z.any() and huge_pages.advised(z)
+    z[1, 2] = 3.0   # writable
+    assert z.sum().item() == 3.0
 
 
 # ---- a Qwen3-MoE engine with the kernel, against the per-expert path --------------------------------------------
