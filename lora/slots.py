@@ -165,9 +165,9 @@ class SlotPool:
     def _allocate(self, group: str, shape: GroupShape):
         L, R = (self.num_expert_slots * shape.experts if shape.experts else self.num_slots), self.max_rank
         zeros = functools.partial(torch.zeros, dtype=self.dtype, device=self.device)
-        if self.device.type == "cpu":   # a decode step reads its adapters' blocks scattered over the buffers: huge
-            # pages spare the page walks (the LoRA kernel 0.88x the time on the dense model's decode shapes, the fused
-            # MoE block's expert LoRA 0.8x: results/moe_fused_lora.md)
+        if shape.experts and self.device.type == "cpu":   # a decode step reads a few rows' blocks scattered over
+            # them: huge pages spare the page walks (the fused MoE block's expert LoRA 0.8x the time,
+            # results/moe_fused_lora.md)
             zeros = functools.partial(native.huge_page_zeros, dtype=self.dtype)
         if group == "embed_tokens":
             a = zeros((L, shape.in_dim, R))

@@ -187,9 +187,10 @@ def test_expert_slots_hold_every_expert_at_combined_indices_and_clear_to_zero():
               "o_proj": GroupShape(H, (H,))}
     pool = SlotPool(2, groups, num_slots=3, max_rank=R, dtype=torch.float32, device="cpu", num_expert_slots=2)
     assert set(pool.buffers) == {(1, "experts_gate_up"), (1, "experts_down"), (0, "o_proj"), (1, "o_proj")}
-    # every buffer zeros on huge-page-advised memory (a decode reads scattered blocks of them)
-    for a, b in pool.buffers.values():
-        assert all(huge_pages.advised(t) and not t.any() and t.dtype == torch.float32 for t in (a, *b))
+    # the expert buffers zeros on huge-page-advised memory (a decode reads scattered blocks of them), the others not
+    a, b = pool.buffers[(1, "experts_gate_up")]
+    assert all(huge_pages.advised(t) and not t.any() and t.dtype == torch.float32 for t in (a, *b))
+    assert not huge_pages.advised(pool.buffers[(1, "o_proj")][0])
     gen = torch.Generator().manual_seed(0)
     w = {(1, m): LoRAWeights(torch.randn(E, 2, i, generator=gen), torch.randn(E, o, 2, generator=gen), 0.5)
          for m, (i, o) in {"experts.gate_proj": (H, I), "experts.up_proj": (H, I), "experts.down_proj": (I, H)}.items()}
