@@ -45,7 +45,8 @@ static int sgmv_bf16_dp_range(const sgmv_args *args, int64_t g_begin, int64_t g_
                     const int64_t n = args->group_start[g + 1] - c0 < CHUNK ? args->group_start[g + 1] - c0 : CHUNK;
                     const int64_t *r = args->rows + c0;
                     #pragma omp for schedule(static)
-                    for (int64_t q = 0; q < SR; q++) dp_shrink(args, slot, rank, n, r, hb, q, q + 1);
+                    for (int64_t q = 0; q < SR; q += 4)   /* dp_shrink's blocks of 4 rows, one a thread */
+                        dp_shrink(args, slot, rank, n, r, hb, q, q + 4 < SR ? q + 4 : SR);
                     #pragma omp for schedule(static)
                     for (int64_t q = 0; q < items; q++) dp_expand(args, slot, rank, n, r, hb, item_start, q);
                 }
