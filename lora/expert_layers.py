@@ -57,20 +57,23 @@ class MoeExpertsLoRA(nn.Module):
             # in the index dtype the backend gave the token slots (the Ascend contract's)
             combined = torch.where(slots >= 0, slots * E + rows.expert, -1).to(token_slots.dtype)
             return self.backend.graph_info(combined)
-        expert_slot_of = torch.tensor([*self.expert_slot_of, -1])   # token slot -1 (the base) reads the last: -1
-        slots = expert_slot_of[torch.tensor(lora.token_slots_host, dtype=torch.int64)][rows.token.cpu()]
+        slots = self.token_expert_slots(lora)[rows.token.cpu()]
         combined = torch.where(slots >= 0, slots * E + rows.expert.cpu(), -1)
         ranks = torch.tensor(self.expert_ranks, dtype=torch.int64).repeat_interleave(E)   # per combined index
         info = self.backend.row_batch_info(combined, ranks, lora.phase)
         return info if info.has_lora else None
 
+    def token_expert_slots(self, lora: LoRABatchInfo) -> torch.Tensor:
+        """An eager step's expert slot per token (host int64; -1: the base or an adapter without expert weights)."""
+        expert_slot_of = torch.tensor([*self.expert_slot_of, -1])   # token slot -1 (the base) reads the last: -1
+        return expert_slot_of[torch.tensor(lora.token_slots_host, dtype=torch.int64)]
+
     def forward(self, x: torch.Tensor, rows, lora: LoRABatchInfo | None = None) -> torch.Tensor:
         if self.fused is not None and lora is not None and lora.has_lora and not lora.use_graph:
             gate_up = self.gate_up_op is not None and lora.computes("experts_gate_up")
             down = self.down_op is not None and lora.computes("experts_down")
-            slot_of = self.expert_slot_of
-            token_slot = torch.tensor([slot_of[s] if s >= 0 else -1 for s in lora.token_slots_host], dtype=torch.int64)
-            y = self.base.forward_lora(x, rows, self.fused, token_slot, torch.tensor(self.expert_ranks), gate_up, down)
+            y = self.base.forward_lora(x, rows, self.fused, self.token_expert_slots(lora),
+                                       torch.tensor(self.expert_ranks), gate_up, down)
             if y is not None:   # the block ran in one call, the LoRA inside it
                 return y
         info = self.row_info(rows, lora)

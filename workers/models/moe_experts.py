@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from lora import native
-from lora.backends import cpu_sgmv
 from workers.models import cpu_moe, moe_fused
 from workers.models.llama import MLP
 from workers.parallel import PACK_BATCH_HINT, TPGroup, _divide, _narrow, linear
@@ -192,14 +191,8 @@ class MoeExperts(nn.Module):
         return self.combine(self.down(self.act(self.gate_up(xs, rows)), rows), rows, x.shape[0])
 
     def expert_lora(self, gate_up: tuple | None, down: tuple | None) -> moe_fused.ExpertLoRA | None:
-        """The expert LoRA buffers as the fused block reads them (moe_fused.ExpertLoRA: (a, b, offsets, a_shared)
-        each), None where the block's kernels are not built or do not take them."""
-        if not (moe_fused.available() and cpu_sgmv.available()):
-            return None
-        try:
-            return moe_fused.ExpertLoRA(gate_up, down, self.num_experts)
-        except ValueError:
-            return None
+        """The expert LoRA buffers as the fused block reads them (moe_fused.expert_lora), or None."""
+        return moe_fused.expert_lora(gate_up, down, self.num_experts)
 
     def forward_lora(self, x: torch.Tensor, rows: ExpertRows, lora: moe_fused.ExpertLoRA, token_slot: torch.Tensor,
                      ranks: torch.Tensor, gate_up: bool, down: bool) -> torch.Tensor | None:

@@ -183,6 +183,17 @@ class ExpertLoRA:
         return self.args
 
 
+def expert_lora(gate_up: tuple | None, down: tuple | None, num_experts: int) -> ExpertLoRA | None:
+    """ExpertLoRA of these buffers, None where the kernels are not built (this one and the LoRA kernel's) or do not
+    take the buffers."""
+    if not (available() and cpu_sgmv.available()):
+        return None
+    try:
+        return ExpertLoRA(gate_up, down, num_experts)
+    except ValueError:
+        return None
+
+
 def experts_lora(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor, token: torch.Tensor,
                  weight: torch.Tensor, lora: ExpertLoRA, token_slot: torch.Tensor, ranks: torch.Tensor,
                  gate_up: bool = True, down: bool = True) -> torch.Tensor:
