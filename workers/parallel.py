@@ -16,6 +16,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from workers import cpu_gemv
+
 
 # gloo's all-reduce of a small tensor costs two message rounds (reduce-scatter, then all-gather: ~1.1 ms and
 # ~0.7 ms of CPU per rank at TP=2 on the 2-core machine, whatever the size up to ~0.5 MiB); one all-gather and
@@ -57,8 +59,12 @@ class TPGroup:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias). A weight prepacked for oneDNN (`prepack_linears`) runs through its kernel."""
+    """x @ weight.T (+ bias). A weight prepacked for oneDNN (`prepack_linears`) runs through its kernel, but for
+    a few rows of bf16 where cpu_gemv.c reads the same packed weight faster."""
     if weight.is_mkldnn:
+        if (hasattr(weight, "gemv") and x.dtype == torch.bfloat16 and cpu_gemv.ENABLED
+                and x.numel() <= cpu_gemv.ROWS * x.shape[-1]):
+            return cpu_gemv.linear(x, weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
@@ -82,6 +88,7 @@ def prepack_linears(model: nn.Module, batch_hint: int = PACK_BATCH_HINT) -> int:
             weight = module.weight.detach()
             module.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint),
                                          requires_grad=False)
+            cpu_gemv.adopt(module.weight, weight)   # its few-row calls on cpu_gemv.c where it reads the layout
             packed += 1
     return packed
 

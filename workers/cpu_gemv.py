@@ -1,0 +1,150 @@
+"""A decode step's dense bf16 linears at one to four rows through cpu_gemv.c, on oneDNN's own packed weight.
+
+    loraserve::packed_gemv(x, weight, bias, in_padded) -> y      y = x @ W.T (+ bias), W the packed weight's matrix
+
+prepack_linears (workers/parallel.py) reorders every linear weight once into oneDNN's blocked layout, which its AMX
+kernels need for prefill; `adopt` then checks, value for value, that the packed buffer holds the weight where
+cpu_gemv.c reads it (blocks of 32 outputs, each the input's bf16 pairs in order: the layout oneDNN picks for
+bf16 with batch hint 32 on this CPU) and marks the parameter. A weight in any other layout (another oneDNN
+version or CPU) is not marked and stays on oneDNN alone: the check is the contract, not oneDNN's format name.
+One copy of every weight serves both: `linear` sends up to ROWS rows here, more to oneDNN.
+
+Why ROWS = 4 (results/dense_gemv.md, the bench checkpoint's step shapes, bf16, oneDNN / this kernel): 1.23-1.26x
+at one row, 1.10-1.17x at 2-4, 0.94x at 6, 0.80x at 8 (past four rows the dot products, not the bytes, bound it);
+at two threads 1.12-1.27x at 1-4 rows.
+
+Registered through torch.library with a fake, so the decode graph's tape (workers/tape_graph.py) records it as one
+op; an eager call (no dispatch mode, not tracing) calls the kernel directly. LORASERVE_DENSE_GEMV=0 at start (or
+ENABLED = False, benchmarks/dense_gemv.py's A/B) keeps every row count on oneDNN.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lora import native
+
+SOURCE = Path(__file__).with_name("cpu_gemv.c")
+ROWS = 4          # up to which a linear's rows take this kernel (see above)
+BLOCK = 32        # outputs of one block of the layout
+ENABLED = os.environ.get("LORASERVE_DENSE_GEMV", "1") != "0"
+_CHECK_ROWS = 1024   # adopt compares the layout this many output rows at a time (no full-size temporary)
+
+
+class _Args(ctypes.Structure):
+    """gemv_args of cpu_gemv.c, field for field."""
+    _fields_ = [("x", ctypes.c_void_p), ("x_stride", ctypes.c_int64), ("rows", ctypes.c_int64),
+                ("in_dim", ctypes.c_int64), ("w", ctypes.c_void_p), ("in_padded", ctypes.c_int64),
+                ("out_dim", ctypes.c_int64), ("bias", ctypes.c_void_p), ("bias_bf16", ctypes.c_int64),
+                ("y", ctypes.c_void_p), ("y_stride", ctypes.c_int64)]
+
+
+_load, available = native.library(SOURCE, {"gemv_bf16": [ctypes.c_void_p], "gemv_init": []},
+                                  ready=lambda lib: lib.gemv_init() == 0)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the kernel reads an adopted weight: its buffer (alive as long as the parameter) and padded input."""
+    address: int
+    in_padded: int
+
+
+def _raw(packed: torch.Tensor) -> torch.Tensor:
+    """The packed tensor's bytes as int16, without a copy (oneDNN's tensors have no strided view of their own)."""
+    count = torch.ops.mkldnn._nbytes(packed) // 2
+    return torch.frombuffer((ctypes.c_int16 * count).from_address(torch.ops.mkldnn.data_ptr(packed)),
+                            dtype=torch.int16, count=count)
+
+
+def layout_of(packed: torch.Tensor, dense: torch.Tensor) -> Layout | None:
+    """The Layout if `packed` (oneDNN's reorder of `dense`) holds dense's every value where cpu_gemv.c reads it,
+    else None."""
+    out_dim, in_dim = dense.shape
+    if not (packed.is_mkldnn and packed.dtype == dense.dtype == torch.bfloat16 and in_dim % 2 == 0):
+        return None
+    out_padded = -(-out_dim // BLOCK) * BLOCK
+    nbytes = torch.ops.mkldnn._nbytes(packed)
+    if nbytes % (2 * out_padded) or (nbytes // (2 * out_padded)) % 2 or nbytes // (2 * out_padded) < in_dim:
+        return None
+    in_padded = nbytes // (2 * out_padded)
+    raw = _raw(packed).view(out_padded // BLOCK, in_padded // 2, BLOCK, 2)
+    values = dense.contiguous().view(torch.int16)
+    for o in range(0, out_dim, _CHECK_ROWS):   # whole blocks at a time (_CHECK_ROWS is a multiple of BLOCK)
+        part = values[o:o + _CHECK_ROWS]
+        n = -(-part.shape[0] // BLOCK) * BLOCK
+        want = torch.nn.functional.pad(part, (0, in_padded - in_dim, 0, n - part.shape[0]))
+        want = want.view(n // BLOCK, BLOCK, in_padded // 2, 2).transpose(1, 2)
+        if not torch.equal(raw[o // BLOCK:(o + n) // BLOCK], want):
+            return None
+    return Layout(torch.ops.mkldnn.data_ptr(packed), in_padded)
+
+
+def adopt(packed: torch.nn.Parameter, dense: torch.Tensor) -> bool:
+    """Mark `packed` (prepack_linears' parameter, oneDNN's reorder of `dense`) for `linear`'s few-row calls where
+    the kernel runs here and reads its layout. Returns whether it did."""
+    if not (ENABLED and available()):
+        return False
+    layout = layout_of(packed, dense)
+    if layout is not None:
+        packed.gemv = layout
+    return layout is not None
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, in_padded: int) -> None:
+    out_dim, in_dim = weight.shape
+    ok = (x.dtype == torch.bfloat16 and x.is_cpu and x.shape[-1] == in_dim and x.stride(-1) == 1
+          and weight.dtype == torch.bfloat16 and in_dim % 2 == 0 and in_padded >= in_dim
+          and (bias is None or (bias.dtype in (torch.bfloat16, torch.float32) and bias.numel() == out_dim
+                                and bias.is_contiguous())))
+    if not ok:
+        operands = [None if t is None else (tuple(t.shape), t.dtype) for t in (x, weight, bias)]
+        raise ValueError(f"packed_gemv: x, weight, bias {operands}, in_padded {in_padded} (it needs bf16 x with "
+                         "unit column stride over the weight's even input, a bf16 / fp32 bias [out] or none)")
+
+
+def _run(x: torch.Tensor, address: int, out_dim: int, in_padded: int, bias: torch.Tensor | None) -> torch.Tensor:
+    lib = _load()
+    if lib is None:
+        raise RuntimeError("the CPU GEMV kernel is not available (see lora/native.py's warning)")
+    x2 = x.reshape(-1, x.shape[-1])
+    y = torch.empty(*x.shape[:-1], out_dim, dtype=x.dtype)
+    args = _Args(x2.data_ptr(), x2.stride(0), x2.shape[0], x2.shape[1], address, in_padded, out_dim,
+                 None if bias is None else bias.data_ptr(), bias is not None and bias.dtype == torch.bfloat16,
+                 y.data_ptr(), out_dim)
+    if lib.gemv_bf16(ctypes.addressof(args)) != 0:
+        raise ValueError(f"packed_gemv: the kernel refused x {tuple(x.shape)} over a weight of {in_padded} inputs")
+    return y
+
+
+def _op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, in_padded: int) -> torch.Tensor:
+    _check(x, weight, bias, in_padded)
+    if not weight.is_mkldnn:
+        raise ValueError("packed_gemv: the weight must be oneDNN's packed tensor (prepack_linears)")
+    return _run(x, torch.ops.mkldnn.data_ptr(weight), weight.shape[0], in_padded, bias)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T (+ bias) for an adopted weight (`weight.gemv`); the caller sends at most ROWS rows."""
+    layout = weight.gemv
+    if torch._C._len_torch_dispatch_stack() or torch.compiler.is_compiling():   # a capture's tape, FakeTensor
+        return torch.ops.loraserve.packed_gemv(x, weight, bias, layout.in_padded)
+    if not (x.dtype == torch.bfloat16 and x.stride(-1) == 1 and x.shape[-1] == weight.shape[1]):
+        _check(x, weight, bias, layout.in_padded)   # raises, naming the operands
+    return _run(x, layout.address, weight.shape[0], layout.in_padded, bias)
+
+
+def _fake(x, weight, bias, in_padded):
+    _check(x, weight, bias, in_padded)
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+_LIB = torch.library.Library("loraserve", "FRAGMENT")   # beside the LoRA, attention, MoE and W8A8 ops
+_LIB.define("packed_gemv(Tensor x, Tensor weight, Tensor? bias, int in_padded) -> Tensor")
+for _key in ("CPU", "MkldnnCPU"):   # the dispatcher keys a call by its weight, oneDNN's tensor
+    _LIB.impl("packed_gemv", _op, _key)
+torch.library.register_fake("loraserve::packed_gemv", _fake, lib=_LIB)
