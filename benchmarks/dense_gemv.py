@@ -1,13 +1,13 @@
-"""A decode step's dense bf16 GEMMs at a few rows: oneDNN against workers/cpu_gemv.c, both on the same packed weight.
+"""A decode step's dense bf16 GEMMs at up to 32 rows: oneDNN against workers/cpu_gemv.c, on the same packed weight.
 
-    .venv/bin/python -m benchmarks.dense_gemv [--threads 1] [--rows 1,2,3,4,5,6,8] [--rounds 3]
+    .venv/bin/python -m benchmarks.dense_gemv [--threads 1] [--rows 1,2,3,4,5,8,16,32] [--rounds 3]
 
 The bench checkpoint's linear shapes (benchmarks.dense_gemm_kernel's step: qkv, o, gate_up, down x 8 layers, the
 LM head once), 8 distinct copies of each weight taken in turn so that every call reads its weight from memory as a
 step does; the same prepack_linears weights for both sides (cpu_gemv.adopt checks that the kernel reads their
 layout), rounds alternating which side runs first; ms for a step's GEMMs at each row count. Run as the engine
 process runs (glibc's malloc on huge pages). Writes results/dense_gemv_t<threads>.json / .md: the evidence behind
-cpu_gemv.ROWS (issue 39: dense bf16 at batch 1).
+cpu_gemv's two paths and max_rows() (issue 39: dense bf16 at batch 1, 8 and 32).
 """
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def run(rows: list[int], rounds: int) -> dict:
 
 
 def markdown(data: dict) -> str:
-    lines = [f"# A step's dense bf16 GEMMs at a few rows: oneDNN vs cpu_gemv.c on the same packed weight "
+    lines = [f"# A step's dense bf16 GEMMs at up to 32 rows: oneDNN vs cpu_gemv.c on the same packed weight "
              f"({data['threads']} threads)", "",
              f"`{data['command']}`; medians of {data['rounds']} alternating rounds (GLIBC_TUNABLES="
              f"'{data['glibc_tunables']}'). > 1: cpu_gemv.c is faster.", "",
@@ -77,7 +77,7 @@ def main(argv=None) -> dict:
     as_engine_process("benchmarks.dense_gemv", args_in)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--rows", default="1,2,3,4,5,6,8")
+    parser.add_argument("--rows", default="1,2,3,4,5,8,16,32")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(args_in)
     torch.set_num_threads(args.threads)

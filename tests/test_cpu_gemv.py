@@ -34,30 +34,36 @@ def test_few_rows_through_the_packed_weight_matches_the_product(out_dim, in_dim,
     dense, packed = _packed(out_dim, in_dim)
     assert cpu_gemv.adopt(packed, dense)
     bias = None if bias_dtype is None else torch.randn(out_dim).to(bias_dtype)
-    wide = torch.randn(9, in_dim + 6).bfloat16()
-    for rows in range(10):
+    wide = torch.randn(40, in_dim + 6).bfloat16()
+    for rows in (*range(10), 16, 17, 31, 32, 33, 40):   # both paths (1-4 rows; 5-32 on AMX tiles), past them
         x = wide[:rows, 3:3 + in_dim]   # a row stride that is not the input's
         got = cpu_gemv.linear(x, packed, bias)
         assert got.shape == (rows, out_dim) and got.dtype == torch.bfloat16
         _within_one_rounding(got, x, dense, bias)
-        for r in range(rows):   # a row's bits do not depend on the rows beside it
-            assert torch.equal(got[r], cpu_gemv.linear(x[r:r + 1], packed, bias)[0])
+        # a row's bits do not depend on the rows beside it, within one path (one row alone, or among 4 others)
+        alone = 1 if rows <= 4 or rows > 32 else 5
+        for r in range(rows):
+            others = x[[r] + [(r + 1 + i) % rows for i in range(alone - 1)]] if rows >= alone else None
+            if others is not None:
+                assert torch.equal(got[r], cpu_gemv.linear(others, packed, bias)[0])
     x3 = torch.randn(2, 1, in_dim).bfloat16()
     assert torch.equal(parallel.linear(x3, packed, bias), cpu_gemv.linear(x3.view(2, in_dim), packed, bias).view(2, 1, -1))
 
 
-def test_linear_sends_up_to_four_rows_here_and_more_to_onednn(monkeypatch):
+def test_linear_sends_up_to_max_rows_here_and_more_to_onednn(monkeypatch):
     dense, packed = _packed(96, 64)
     assert cpu_gemv.adopt(packed, dense)
+    most = cpu_gemv.max_rows()
+    assert most in (4, 32)   # 32 where Linux lends AMX's tiles
     calls = []
     monkeypatch.setattr(cpu_gemv, "_run", lambda *a, run=cpu_gemv._run: calls.append(a[0].shape[0]) or run(*a))
-    for rows in (1, 4, 5, 32):
+    for rows in (1, 4, most, most + 1, 256):
         y = parallel.linear(torch.randn(rows, 64).bfloat16(), packed)
         assert y.shape == (rows, 96)
-    assert calls == [1, 4]
+    assert calls == [1, 4, most]
     monkeypatch.setattr(cpu_gemv, "ENABLED", False)   # the A/B switch
     parallel.linear(torch.randn(1, 64).bfloat16(), packed)
-    assert calls == [1, 4]
+    assert calls == [1, 4, most]
 
 
 def test_a_weight_in_another_layout_is_left_to_onednn():
@@ -126,3 +132,28 @@ def test_engine_decodes_through_it(model_dir, monkeypatch, config):
     path = str(model_dir("qwen3"))
     ours, onednn = _generate(path, monkeypatch, True, **config), _generate(path, monkeypatch, False, **config)
     assert max(abs(a - b) for oe, oo in zip(ours, onednn) for a, b in zip(oe.logprobs[:2], oo.logprobs[:2])) < 0.05
+
+
+def test_without_amx_the_dot_path_takes_every_row_count(tmp_path):
+    """A CPU with AVX512-BF16 but no AMX (Cooper Lake): the kernel built for it, this file's tests rerun there."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.test_cpu_kernels_arch import _cpu_flags
+    if not {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= _cpu_flags():
+        pytest.skip("this CPU cannot execute Cooper Lake's instructions")
+    if os.environ.get("LORASERVE_KERNEL_ARCH"):
+        pytest.skip("already the rerun")
+    tests = Path(__file__).resolve().parent
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests / "test_cpu_gemv.py"), "-k",
+         "matches or max_rows or layout"], cwd=tests.parent, text=True, capture_output=True, timeout=300,
+        env={**os.environ, "LORASERVE_KERNEL_ARCH": "cooperlake", "LORASERVE_KERNEL_DIR": str(tmp_path)})
+    assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:] + done.stderr[-2000:]
+    check = subprocess.run([sys.executable, "-c", "from workers import cpu_gemv; print(cpu_gemv.max_rows())"],
+                           cwd=tests.parent, text=True, capture_output=True, timeout=120,
+                           env={**os.environ, "LORASERVE_KERNEL_ARCH": "cooperlake",
+                                "LORASERVE_KERNEL_DIR": str(tmp_path)})
+    assert check.stdout.strip() == "4", check.stderr[-2000:]

@@ -1,4 +1,4 @@
-"""A decode step's dense bf16 linears at one to four rows through cpu_gemv.c, on oneDNN's own packed weight.
+"""A decode step's dense bf16 linears at up to 32 rows through cpu_gemv.c, on oneDNN's own packed weight.
 
     loraserve::packed_gemv(x, weight, bias, in_padded) -> y      y = x @ W.T (+ bias), W the packed weight's matrix
 
@@ -7,11 +7,12 @@ kernels need for prefill; `adopt` then checks, value for value, that the packed 
 cpu_gemv.c reads it (blocks of 32 outputs, each the input's bf16 pairs in order: the layout oneDNN picks for
 bf16 with batch hint 32 on this CPU) and marks the parameter. A weight in any other layout (another oneDNN
 version or CPU) is not marked and stays on oneDNN alone: the check is the contract, not oneDNN's format name.
-One copy of every weight serves both: `linear` sends up to ROWS rows here, more to oneDNN.
+One copy of every weight serves both: parallel.linear sends up to `max_rows()` rows here, more to oneDNN.
 
-Why ROWS = 4 (results/dense_gemv.md, the bench checkpoint's step shapes, bf16, oneDNN / this kernel): 1.23-1.26x
-at one row, 1.10-1.17x at 2-4, 0.94x at 6, 0.80x at 8 (past four rows the dot products, not the bytes, bound it);
-at two threads 1.12-1.27x at 1-4 rows.
+The kernel's two paths (results/dense_gemv_t1.md, _t2.md: the bench checkpoint's step shapes, a step's GEMMs,
+oneDNN's time / this kernel's): one to four rows on AVX512-BF16 dot instructions, 1.20-1.28x at one row, 1.11-1.22x
+at 2-4 (past four the dot products, not the bytes, bound it: 0.85x at 8); 5 to 32 rows on AMX tiles where Linux
+lends them, 1.02-1.13x at 1 thread, 1.09-1.14x at 2. Without AMX `max_rows()` is 4.
 
 Registered through torch.library with a fake, so the decode graph's tape (workers/tape_graph.py) records it as one
 op; an eager call (no dispatch mode, not tracing) calls the kernel directly. LORASERVE_DENSE_GEMV=0 at start (or
@@ -20,6 +21,7 @@ ENABLED = False, benchmarks/dense_gemv.py's A/B) keeps every row count on oneDNN
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +31,6 @@ import torch
 from lora import native
 
 SOURCE = Path(__file__).with_name("cpu_gemv.c")
-ROWS = 4          # up to which a linear's rows take this kernel (see above)
 BLOCK = 32        # outputs of one block of the layout
 ENABLED = os.environ.get("LORASERVE_DENSE_GEMV", "1") != "0"
 _CHECK_ROWS = 1024   # adopt compares the layout this many output rows at a time (no full-size temporary)
@@ -43,8 +44,16 @@ class _Args(ctypes.Structure):
                 ("y", ctypes.c_void_p), ("y_stride", ctypes.c_int64)]
 
 
-_load, available = native.library(SOURCE, {"gemv_bf16": [ctypes.c_void_p], "gemv_init": []},
+_load, available = native.library(SOURCE, {"gemv_bf16": [ctypes.c_void_p], "gemv_init": [], "gemv_max_rows": []},
                                   ready=lambda lib: lib.gemv_init() == 0)
+
+
+@native.constant_result
+@functools.cache
+def max_rows() -> int:
+    """The most rows a call takes on a path faster than oneDNN's: 32 with AMX, else 4 (0 without the kernel)."""
+    lib = _load()
+    return lib.gemv_max_rows() if lib is not None else 0
 
 
 @dataclass(frozen=True)
@@ -129,7 +138,7 @@ def _op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, in_pad
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight.T (+ bias) for an adopted weight (`weight.gemv`); the caller sends at most ROWS rows."""
+    """x @ weight.T (+ bias) for an adopted weight (`weight.gemv`); the caller sends at most max_rows() rows."""
     layout = weight.gemv
     if torch._C._len_torch_dispatch_stack() or torch.compiler.is_compiling():   # a capture's tape, FakeTensor
         return torch.ops.loraserve.packed_gemv(x, weight, bias, layout.in_padded)

@@ -63,7 +63,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     a few rows of bf16 where cpu_gemv.c reads the same packed weight faster."""
     if weight.is_mkldnn:
         if (hasattr(weight, "gemv") and x.dtype == torch.bfloat16 and cpu_gemv.ENABLED
-                and x.numel() <= cpu_gemv.ROWS * x.shape[-1]):
+                and x.numel() <= cpu_gemv.max_rows() * x.shape[-1]):
             return cpu_gemv.linear(x, weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
