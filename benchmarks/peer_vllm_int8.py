@@ -119,4 +119,6 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--threads", type=int, default=None, help="threads of each system (default: all CPUs)")
     args = parser.parse_args()
-    print(write_result("peer_vllm_int8", run(args.rounds, args.threads)))
+    threads = args.threads or len(os.sched_getaffinity(0))
+    # one file per thread count (1 thread: the name the earlier runs kept)
+    print(write_result("peer_vllm_int8" + ("" if threads == 1 else f"_t{threads}"), run(args.rounds, args.threads)))
