@@ -18,7 +18,7 @@ import argparse
 import json
 
 from benchmarks.common import machine_info, median, write_result
-from benchmarks.trees import checkout, run_child
+from benchmarks.trees import checkout, revision, run_child
 
 WORKLOADS = ("base", "one", "eight")
 CHILD = """
@@ -75,7 +75,9 @@ def main(argv=None) -> dict:
         pairs.append(pair)
         print(f"pair {i}: CPU per token new/old {pair['cpu_new_over_old']}; "
               f"tok/s new/old {pair['tok_s_new_over_old']}", flush=True)
-    data = {"benchmark": "ab", "old": args.old, "new": args.new, "dtype": args.dtype, "threads": args.threads,
+    # the commits themselves: a name such as HEAD moves
+    data = {"benchmark": "ab", "old": revision(trees["old"]), "new": revision(trees["new"]), "dtype": args.dtype,
+            "threads": args.threads,
             "machine": machine_info(), "pairs": pairs}
     for key in ("cpu_new_over_old", "tok_s_new_over_old", "prefill_new_over_old"):
         data[f"median_{key}"] = {w: median([p[key][w] for p in pairs]) for w in WORKLOADS}

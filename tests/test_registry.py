@@ -137,9 +137,14 @@ def load_on_both_replicas(name: str, path) -> dict[str, str]:
     for it reaches it; plain handle calls are spread over the replicas). Returns each one's digest."""
     for _ in range(24):
         server().load_adapter.remote(name, str(path)).result(timeout_s=120)
-        versions = replica_versions(name)
-        if len(versions) == 2 and None not in versions.values():
-            return versions
+        deadline = time.monotonic() + 2.0   # the replicas report their versions every second
+        while True:
+            versions = replica_versions(name)
+            if len(versions) == 2 and None not in versions.values():
+                return versions
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
     raise AssertionError(f"24 hot-loads of {name!r} never reached both replicas: {versions}")
 
 

@@ -5,7 +5,7 @@
 prepack_linears (workers/parallel.py) reorders every linear weight once into oneDNN's blocked layout, which its AMX
 kernels need for prefill; `adopt` then checks, value for value, that the packed buffer holds the weight where
 cpu_gemv.c reads it (blocks of 32 outputs, each the input's bf16 pairs in order: the layout oneDNN picks for
-bf16 with batch hint 32 on this CPU) and marks the parameter. A weight in any other layout (another oneDNN
+bf16 with batch hint 32 on this CPU), in its first, a middle and its last 1024 outputs, and marks the parameter. A weight in any other layout (another oneDNN
 version or CPU) is not marked and stays on oneDNN alone: the check is the contract, not oneDNN's format name.
 One copy of every weight serves both: parallel.linear sends up to `max_rows()` rows here, more to oneDNN.
 
@@ -33,7 +33,7 @@ from lora import native
 SOURCE = Path(__file__).with_name("cpu_gemv.c")
 BLOCK = 32        # outputs of one block of the layout
 ENABLED = os.environ.get("LORASERVE_DENSE_GEMV", "1") != "0"
-_CHECK_ROWS = 1024   # adopt compares the layout this many output rows at a time (no full-size temporary)
+_CHECK_ROWS = 1024   # output rows of each chunk adopt compares (no full-size temporary)
 
 
 class _Args(ctypes.Structure):
@@ -83,7 +83,10 @@ def layout_of(packed: torch.Tensor, dense: torch.Tensor) -> Layout | None:
     in_padded = nbytes // (2 * out_padded)
     raw = _raw(packed).view(out_padded // BLOCK, in_padded // 2, BLOCK, 2)
     values = dense.contiguous().view(torch.int16)
-    for o in range(0, out_dim, _CHECK_ROWS):   # whole blocks at a time (_CHECK_ROWS is a multiple of BLOCK)
+    # the first, a middle and the last chunk of whole blocks (_CHECK_ROWS is a multiple of BLOCK), padding
+    # included: oneDNN lays every block out by one formula, and comparing all of them cost ~1.4 s a GB at load
+    starts = sorted({0, (out_dim // 2) // _CHECK_ROWS * _CHECK_ROWS, (out_dim - 1) // _CHECK_ROWS * _CHECK_ROWS})
+    for o in starts:
         part = values[o:o + _CHECK_ROWS]
         n = -(-part.shape[0] // BLOCK) * BLOCK
         want = torch.nn.functional.pad(part, (0, in_padded - in_dim, 0, n - part.shape[0]))
