@@ -57,55 +57,66 @@ def run(rows: list[int], rounds: int) -> dict:
                for n, (o, i, _) in shapes.items()}
     packed = {n: [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in ws] for n, ws in weights.items()}
     plain = {n: [huge_page_copy(w.unsqueeze(0).contiguous()) for w in ws] for n, ws in weights.items()}
+    return compare(rows, rounds, shapes, "kernel", {
+        "onednn": lambda name, x, i: linear(x, packed[name][i % COPIES]),
+        "kernel": lambda name, x, i: cpu_moe._impl(x, plain[name][i % COPIES],
+                                                   torch.tensor([0, x.shape[0]], dtype=torch.int64))})
+
+
+def compare(rows: list[int], rounds: int, shapes: dict, side: str, calls: dict) -> dict:
+    """ms of a step's GEMMs at each row count, oneDNN (calls["onednn"]) against `side`, rounds alternating which
+    runs first: calls[s](weight name, x, i) runs the i-th call of that weight (the caller takes copy i % COPIES)."""
     out = {}
     for m in rows:
-        sides = {"onednn": [], "kernel": []}
-        offsets = torch.tensor([0, m], dtype=torch.int64)
+        sides = {"onednn": [], side: []}
         for r in range(rounds):
-            for side in (("onednn", "kernel") if r % 2 == 0 else ("kernel", "onednn")):
+            for s in (("onednn", side) if r % 2 == 0 else (side, "onednn")):
                 total = 0.0
-                for name, (_, k, calls) in shapes.items():
+                for name, (_, k, count) in shapes.items():
                     x, turn = torch.randn(m, k, dtype=torch.bfloat16), iter(range(10**9))
-                    if side == "onednn":
-                        fn = lambda: linear(x, packed[name][next(turn) % COPIES])   # noqa: E731
-                    else:
-                        fn = lambda: cpu_moe._impl(x, plain[name][next(turn) % COPIES], offsets)   # noqa: E731
-                    total += timed(fn) * calls
-                sides[side].append(total)
-        ratios = [o / k for o, k in zip(sides["onednn"], sides["kernel"])]
-        out[m] = {"onednn_ms": round(median(sides["onednn"]), 2), "kernel_ms": round(median(sides["kernel"]), 2),
-                  "onednn / kernel": round(median(ratios), 3), "per_round": [round(r, 3) for r in ratios]}
+                    total += timed(lambda: calls[s](name, x, next(turn))) * count   # noqa: B023
+                sides[s].append(total)
+        ratios = [o / k for o, k in zip(sides["onednn"], sides[side])]
+        out[m] = {"onednn_ms": round(median(sides["onednn"]), 2), f"{side}_ms": round(median(sides[side]), 2),
+                  f"onednn / {side}": round(median(ratios), 3), "per_round": [round(r, 3) for r in ratios]}
         print(m, out[m], flush=True)
     return out
 
 
-def markdown(data: dict) -> str:
-    lines = [f"# A step's dense bf16 GEMMs: oneDNN-packed vs cpu_moe.c as one expert ({data['threads']} threads)", "",
+def markdown(data: dict, title: str, side: str, label: str) -> str:
+    """The table of `run`'s rows: oneDNN against `side` (its key in the rows, `label` its column name)."""
+    lines = [f"# {title} ({data['threads']} threads)", "",
              f"`{data['command']}`; medians of {data['rounds']} alternating rounds (GLIBC_TUNABLES="
-             f"'{data['glibc_tunables']}'). > 1: the kernel is faster.", "",
-             "| rows | oneDNN ms | kernel ms | oneDNN / kernel | per round |", "|---|---|---|---|---|"]
+             f"'{data['glibc_tunables']}'). > 1: {label} is faster.", "",
+             f"| rows | oneDNN ms | {label} ms | oneDNN / {label} | per round |", "|---|---|---|---|---|"]
     for m, r in data["rows"].items():
-        lines.append(f"| {m} | {r['onednn_ms']} | {r['kernel_ms']} | {r['onednn / kernel']} | "
+        lines.append(f"| {m} | {r['onednn_ms']} | {r[f'{side}_ms']} | {r[f'onednn / {side}']} | "
                      f"{', '.join(map(str, r['per_round']))} |")
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> dict:
+def cli(module: str, doc: str, run_rows, default_rows: str, argv, table) -> dict:
+    """A dense GEMM benchmark's command line: threads, rows, rounds; writes results/<module>_t<threads>.json / .md."""
     args_in = sys.argv[1:] if argv is None else list(argv)
-    as_engine_process("benchmarks.dense_gemm_kernel", args_in)
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    as_engine_process(f"benchmarks.{module}", args_in)
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--rows", default="1,2,8,32,128,512")
+    parser.add_argument("--rows", default=default_rows)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(args_in)
     torch.set_num_threads(args.threads)
     data = {"threads": args.threads, "rounds": args.rounds, "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
-            "command": "python -m benchmarks.dense_gemm_kernel " + " ".join(args_in), "machine": machine_info(),
-            "rows": run([int(m) for m in args.rows.split(",")], args.rounds)}
-    name = f"dense_gemm_kernel_t{args.threads}"
+            "command": f"python -m benchmarks.{module} " + " ".join(args_in), "machine": machine_info(),
+            "rows": run_rows([int(m) for m in args.rows.split(",")], args.rounds)}
+    name = f"{module}_t{args.threads}"
     print(write_result(name, data))
-    (RESULTS / f"{name}.md").write_text(markdown(data))
+    (RESULTS / f"{name}.md").write_text(table(data))
     return data
+
+
+def main(argv=None) -> dict:
+    return cli("dense_gemm_kernel", __doc__, run, "1,2,8,32,128,512", argv, lambda data: markdown(
+        data, "A step's dense bf16 GEMMs: oneDNN-packed vs cpu_moe.c as one expert", "kernel", "kernel"))
 
 
 if __name__ == "__main__":
