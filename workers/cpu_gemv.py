@@ -3,10 +3,11 @@
     loraserve::packed_gemv(x, weight, bias, in_padded) -> y      y = x @ W.T (+ bias), W the packed weight's matrix
 
 prepack_linears (workers/parallel.py) reorders every linear weight once into oneDNN's blocked layout, which its AMX
-kernels need for prefill; `adopt` then checks, value for value, that the packed buffer holds the weight where
-cpu_gemv.c reads it (blocks of 32 outputs, each the input's bf16 pairs in order: the layout oneDNN picks for
-bf16 with batch hint 32 on this CPU), in its first, a middle and its last 1024 outputs, and marks the parameter. A weight in any other layout (another oneDNN
-version or CPU) is not marked and stays on oneDNN alone: the check is the contract, not oneDNN's format name.
+kernels need for prefill; `adopt` then checks, value for value in its first, a middle and its last 1024 outputs,
+that the packed buffer holds the weight where cpu_gemv.c reads it (blocks of 32 outputs, each the input's bf16 pairs
+in order: the layout oneDNN picks for bf16 with batch hint 32 on this CPU) and marks the parameter. A weight in any
+other layout (another oneDNN version or CPU) is not marked and stays on oneDNN alone: the check is the contract,
+not oneDNN's format name.
 One copy of every weight serves both: parallel.linear sends up to `max_rows()` rows here, more to oneDNN.
 
 The kernel's two paths (results/dense_gemv_t1.md, _t2.md: the bench checkpoint's step shapes, a step's GEMMs,
@@ -33,6 +34,7 @@ from lora import native
 SOURCE = Path(__file__).with_name("cpu_gemv.c")
 BLOCK = 32        # outputs of one block of the layout
 ENABLED = os.environ.get("LORASERVE_DENSE_GEMV", "1") != "0"
+OUT_OF_MEMORY = 1   # the kernel's nonzero returns (lora/status.h), the others a refused shape
 _CHECK_ROWS = 1024   # output rows of each chunk adopt compares (no full-size temporary)
 
 
@@ -71,8 +73,8 @@ def _raw(packed: torch.Tensor) -> torch.Tensor:
 
 
 def layout_of(packed: torch.Tensor, dense: torch.Tensor) -> Layout | None:
-    """The Layout if `packed` (oneDNN's reorder of `dense`) holds dense's every value where cpu_gemv.c reads it,
-    else None."""
+    """The Layout if `packed` (oneDNN's reorder of `dense`) holds dense's values where cpu_gemv.c reads them (in
+    the chunks compared), else None."""
     out_dim, in_dim = dense.shape
     if not (packed.is_mkldnn and packed.dtype == dense.dtype == torch.bfloat16 and in_dim % 2 == 0):
         return None
@@ -128,7 +130,10 @@ def _run(x: torch.Tensor, address: int, out_dim: int, in_padded: int, bias: torc
     args = _Args(x2.data_ptr(), x2.stride(0), x2.shape[0], x2.shape[1], address, in_padded, out_dim,
                  None if bias is None else bias.data_ptr(), bias is not None and bias.dtype == torch.bfloat16,
                  y.data_ptr(), out_dim)
-    if lib.gemv_bf16(ctypes.addressof(args)) != 0:
+    status = lib.gemv_bf16(ctypes.addressof(args))
+    if status == OUT_OF_MEMORY:
+        raise MemoryError("CPU GEMV kernel: out of memory for its rows' tiles")
+    if status != 0:
         raise ValueError(f"packed_gemv: the kernel refused x {tuple(x.shape)} over a weight of {in_padded} inputs")
     return y
 
