@@ -1,17 +1,17 @@
-/* A decode step's few rows times a dense bf16 weight, read in place from oneDNN's packed layout.
+/* A decode step's rows (up to 32) times a dense bf16 weight, read in place from oneDNN's packed layout.
  *
  * Why: prepack_linears (workers/parallel.py) keeps every linear weight once, in oneDNN's blocked layout, because
  * oneDNN's AMX kernels on it are what prefill needs. For one to four rows oneDNN streams that weight at ~12 GB/s
- * a thread here; this loop streams the same bytes at ~15.5 (results/dense_gemv.md), so a batch-1 step's GEMMs
- * take ~0.8x the time without a second copy of any weight.
+ * a thread here; this loop streams the same bytes at ~15.5 (results/dense_gemv_t1.md), so a batch-1 step's GEMMs
+ * take ~0.8x the time without a second copy of any weight; 5-32 rows run on AMX tiles below.
  *
- * Layout (what workers/cpu_gemv.py checks, value for value, before it lets this kernel read a weight):
+ * Layout (what workers/cpu_gemv.py checks, value for value in three chunks, before this kernel reads a weight):
  *   w  blocks of 32 outputs, each the whole padded input as bf16 pairs: w[b][p][i][j] = W[32 b + i][2 p + j],
  *      i.e. for input pair p the 32 outputs' pairs as 64 bf16 (two cache lines), pairs in order.
  *   x  [rows, in_dim] bf16, row stride x_stride, unit column stride; in_dim even
  *   y  [rows, out_dim] bf16, row stride y_stride; bias (bf16 or fp32, or none) [out_dim]
  * Each output lane accumulates the pairs in ascending order in fp32 (the instruction multiplies bf16 pairs
- * exactly) and rounds once: a row's bits do not depend on how many rows share the call.
+ * exactly) and rounds once: a row's bits do not depend on how many rows share the call (within one path).
  * Threads (torch's OpenMP pool, as the other kernels) share the 32-output blocks past PARALLEL_MIN.
  */
 #include <stdint.h>
@@ -34,9 +34,7 @@ typedef struct {
 enum { NO_BF16_DOT = 3, WRONG_SHAPE = 4 };   /* after status.h's */
 #define NB 32                     /* outputs of one block */
 #define MAX_ROWS 8                /* rows of one pass over a block (16 accumulators) */
-#ifndef VECTOR_ROWS
 #define VECTOR_ROWS 4             /* up to which the vector path runs, the AMX one past it (when built) */
-#endif
 #define PREFETCH_PAIRS 16         /* 2 KiB ahead; without it ~0.94x oneDNN at one row, with it 1.26x (8: the
                                      same, 32: 1.13x) */
 #define PARALLEL_MIN (1 << 20)    /* weight elements before threads share the blocks */
