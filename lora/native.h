@@ -91,6 +91,22 @@ static inline void amx_configure(void) {
     }
     _tile_loadconfig(&cfg);
 }
+
+/* tiles 0-3 are the kernels' accumulators: zeroed, and stored (all four, or 0 and 1) as 256 floats each */
+static inline void amx_zero_acc(void) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+}
+static inline void amx_store_acc(float *acc, int four) {
+    _tile_stored(0, acc, 64);
+    _tile_stored(1, acc + 256, 64);
+    if (four) {
+        _tile_stored(2, acc + 512, 64);
+        _tile_stored(3, acc + 768, 64);
+    }
+}
 #endif
 
 #endif

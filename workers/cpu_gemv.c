@@ -108,10 +108,7 @@ static int gemv_vector(const gemv_args *a) {
 static void amx_block(const gemv_args *a, const uint16_t *xp, int64_t b, float (*acc)[16][16]) {
     const uint16_t *wb = a->w + b * NB * a->in_padded;
     const int64_t chunks = a->in_padded / 32, stride = 2 * a->in_padded, two = a->rows > 16;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    amx_zero_acc();
     for (int64_t c = 0; c < chunks; c++) {
         const uint16_t *wc = wb + c * 16 * 64;   /* pairs 16 c .. 16 c + 15 */
         for (int l = 0; l < 32; l++)   /* the next chunk's 2 KiB into L2 (into L1, or 2-4 chunks ahead: the same) */
@@ -127,12 +124,7 @@ static void amx_block(const gemv_args *a, const uint16_t *xp, int64_t b, float (
             _tile_dpbf16ps(3, 5, 7);
         }
     }
-    _tile_stored(0, acc[0], 64);
-    _tile_stored(1, acc[1], 64);
-    if (two) {
-        _tile_stored(2, acc[2], 64);
-        _tile_stored(3, acc[3], 64);
-    }
+    amx_store_acc(&acc[0][0][0], two);
 }
 
 static int gemv_amx(const gemv_args *a) {

@@ -148,7 +148,7 @@ def _op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, in_pad
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ weight.T (+ bias) for an adopted weight (`weight.gemv`); the caller sends at most max_rows() rows."""
     layout = weight.gemv
-    if torch._C._len_torch_dispatch_stack() or torch.compiler.is_compiling():   # a capture's tape, FakeTensor
+    if not native.eager():   # a capture's tape, FakeTensor mode, a torch.compile trace: the registered op
         return torch.ops.loraserve.packed_gemv(x, weight, bias, layout.in_padded)
     if not (x.dtype == torch.bfloat16 and x.stride(-1) == 1 and x.shape[-1] == weight.shape[1]):
         _check(x, weight, bias, layout.in_padded)   # raises, naming the operands
