@@ -19,11 +19,13 @@
 
 enum { OUT_OF_RANGE = 1 };
 
-/* Split over the threads only for prefill-sized work: a decode step's rows are one pass of tens of microseconds,
- * less than a parallel region's wake-up (torch's pool sleeps between the GEMMs' regions), and where other
- * processes share the cores a thread descheduled at the region's barrier stalls the call for a time slice
- * (in the engine at batch 32, load 8 on 2 cores: qkv_rope 15 ms a call split, 0.47 ms on one thread). */
-#define PARALLEL_MIN (1 << 18)
+/* Split over the threads from a batch-32 decode step's sizes up (16k elements: RMSNorm at 16 rows of 1024). Right
+ * after a GEMM the pool's threads are still spinning, so the region starts at once; in the engine at batch 32 on
+ * 2 cores (bench shape, step ~25 ms) a step's norms, SiLU and q/k rope went 4.2 -> 2.3 ms with the split, and the
+ * GEMMs after them ran no slower. The catch: where other processes share the cores, a thread descheduled at the
+ * region's barrier stalls the call for a time slice (load 8 on 2 cores: qkv_rope 15 ms a call split, 0.47 ms on
+ * one thread), as it stalls every GEMM there. */
+#define PARALLEL_MIN (1 << 14)
 
 /* out = w * round(x * rsqrt(mean(x^2) + eps)), rounded: RMSNorm.forward of one row (fp32 maths) */
 #define DEFINE_NORM_ROW(NAME, T, LD, ROUND, ST)                                                       \
@@ -78,7 +80,8 @@ DEFINE_SILU_AND_MUL(silu_and_mul_f32, float, silu_mul_row_f32)
  * k_out [T, KVH, D], and k_out's and v's rows to the KV cache, [KVH, num_slots, D] each, at
  * slot_mapping[t] (kv_cache.write_kv). The cache rows written are far apart (each sequence's own blocks) and
  * cold: all of them are prefetched for writing first, so their misses overlap instead of stalling one head at a
- * time (in the batch-32 engine step: 176-188 -> 137-143 us a call). */
+ * time (in the batch-32 engine step: 176-188 -> 137-143 us a call). The fused head rows below, then the split:
+ * 102 -> 69 us at one thread, 106 -> 61 at two (the call alone, batch 32, bench shape). */
 typedef struct {
     const void *qkv;
     int64_t qkv_stride, tokens, num_heads, num_kv_heads, head_dim;
@@ -93,22 +96,53 @@ typedef struct {
     void *q_out, *k_out;
 } qkv_args;
 
-#define DEFINE_ROTATE(NAME, T, LD, ROUND, ST)                                                         \
-static inline void NAME(T *x, const T *cos, const T *sin, int64_t D) {                             \
+/* One head row of the step: x (D, the qkv projection's) RMSNorm-ed by w (fp32 copy; NULL: no q/k norm), rotated by
+ * one token's cos / sin rows (fp32 copies), written to out. The row stays in fp32 lanes of `row` (a D-float buffer)
+ * between the norm and the rotation, every value rounded where the torch path stores it (norm_row's values, then
+ * out = round(round(x * cos) + round(rotate_half(x) * sin))): the same bits as the norm kernel and then a rotation,
+ * without the store and the reload of the normed row, and the tables widened once a token instead of once a head. */
+#define DEFINE_HEAD_ROW(NAME, T, LD, ROUND, ST)                                                       \
+static inline void NAME(const T *x, const float *w, float eps, const float *cos, const float *sin,  \
+                        int64_t D, float *row, T *out) {                                            \
     const int64_t half = D / 2;                                                                    \
+    if (w) {                                                                                       \
+        vf acc = v_set(0.f);                                                                       \
+        for (int64_t d = 0; d < D; d += W) {                                                       \
+            const vf v = LD(x + d, (int)(D - d));                                                  \
+            acc = v_add(acc, v_mul(v, v));                                                         \
+            st_f32(row + d, v, (int)(D - d));                                                      \
+        }                                                                                          \
+        const vf r = v_set(1.f / sqrtf(v_sum(acc) / (float)D + eps));                             \
+        for (int64_t d = 0; d < D; d += W) {                                                       \
+            const int n = (int)(D - d);                                                            \
+            st_f32(row + d, ROUND(v_mul(ld_f32(w + d, n), ROUND(v_mul(ld_f32(row + d, n), r)))), n); \
+        }                                                                                          \
+    } else {                                                                                       \
+        for (int64_t d = 0; d < D; d += W)                                                         \
+            st_f32(row + d, LD(x + d, (int)(D - d)), (int)(D - d));                                \
+    }                                                                                              \
     for (int64_t d = 0; d < half; d += W) {                                                        \
         const int n = (int)(half - d);                                                             \
-        const vf a = LD(x + d, n), b = LD(x + half + d, n);                                        \
-        const vf c0 = LD(cos + d, n), s0 = LD(sin + d, n);                                         \
-        const vf c1 = LD(cos + half + d, n), s1 = LD(sin + half + d, n);                           \
-        ST(x + d, v_sub(ROUND(v_mul(a, c0)), ROUND(v_mul(b, s0))), n);                             \
-        ST(x + half + d, v_add(ROUND(v_mul(b, c1)), ROUND(v_mul(a, s1))), n);                      \
+        const vf a = ld_f32(row + d, n), b = ld_f32(row + half + d, n);                            \
+        ST(out + d, v_sub(ROUND(v_mul(a, ld_f32(cos + d, n))), ROUND(v_mul(b, ld_f32(sin + d, n)))), n); \
+        ST(out + half + d, v_add(ROUND(v_mul(b, ld_f32(cos + half + d, n))),                       \
+                                 ROUND(v_mul(a, ld_f32(sin + half + d, n)))), n);                  \
     }                                                                                              \
 }
-DEFINE_ROTATE(rotate_bf16, uint16_t, ld_bf16, round_bf16, st_bf16)
-DEFINE_ROTATE(rotate_f32, float, ld_f32, round_f32, st_f32)
+DEFINE_HEAD_ROW(head_row_bf16, uint16_t, ld_bf16, round_bf16, st_bf16)
+DEFINE_HEAD_ROW(head_row_f32, float, ld_f32, round_f32, st_f32)
 
-#define DEFINE_QKV(NAME, T, ROW, ROTATE)                                                              \
+/* fp32 copy of n values */
+#define DEFINE_WIDEN(NAME, T, LD)                                                                      \
+static inline void NAME(const T *x, int64_t n, float *out) {                                       \
+    for (int64_t d = 0; d < n; d += W)                                                             \
+        st_f32(out + d, LD(x + d, (int)(n - d)), (int)(n - d));                                    \
+}
+DEFINE_WIDEN(widen_bf16, uint16_t, ld_bf16)
+DEFINE_WIDEN(widen_f32, float, ld_f32)
+
+/* Tokens split over the threads (each token's heads share its tables). */
+#define DEFINE_QKV(NAME, T, HEAD_ROW, WIDEN)                                                          \
 int NAME(const qkv_args *p) {                                                                      \
     const int64_t H = p->num_heads, KVH = p->num_kv_heads, D = p->head_dim;                        \
     for (int64_t t = 0; t < p->tokens; t++)                                                        \
@@ -123,28 +157,33 @@ int NAME(const qkv_args *p) {                                                   
                 __builtin_prefetch((char *)p->v_cache + slot * D * (int64_t)sizeof(T) + b, 1, 3);  \
             }                                                                                      \
         }                                                                                          \
+    float q_weight[D], k_weight[D];                                                                \
+    const int norm = p->q_weight != NULL;                                                          \
+    if (norm) {                                                                                    \
+        WIDEN((const T *)p->q_weight, D, q_weight);                                                \
+        WIDEN((const T *)p->k_weight, D, k_weight);                                                \
+    }                                                                                              \
     _Pragma("omp parallel for if(p->tokens * (H + KVH) * D > PARALLEL_MIN)")                      \
-    for (int64_t i = 0; i < p->tokens * (H + KVH); i++) {                                          \
-        const int64_t t = i / (H + KVH), h = i % (H + KVH);                                        \
-        const T *src = (const T *)p->qkv + t * p->qkv_stride + h * D;                              \
-        const T *w = (const T *)(h < H ? p->q_weight : p->k_weight);                               \
-        T *dst = h < H ? (T *)p->q_out + (t * H + h) * D : (T *)p->k_out + (t * KVH + h - H) * D;  \
-        if (w)                                                                                     \
-            ROW(src, w, p->eps, D, dst);                                                           \
-        else                                                                                       \
-            memcpy(dst, src, sizeof(T) * D);                                                       \
-        const int64_t pos = p->positions[t];                                                       \
-        ROTATE(dst, (const T *)p->cos + pos * D, (const T *)p->sin + pos * D, D);                  \
-        if (h >= H) {                                                                              \
-            const int64_t slot = (h - H) * p->num_slots + p->slot_mapping[t];                      \
-            memcpy((T *)p->k_cache + slot * D, dst, sizeof(T) * D);                                \
-            memcpy((T *)p->v_cache + slot * D, src + KVH * D, sizeof(T) * D);                      \
+    for (int64_t t = 0; t < p->tokens; t++) {                                                      \
+        float cos[D], sin[D], row[D];                                                              \
+        WIDEN((const T *)p->cos + p->positions[t] * D, D, cos);                                    \
+        WIDEN((const T *)p->sin + p->positions[t] * D, D, sin);                                    \
+        const T *qkv = (const T *)p->qkv + t * p->qkv_stride;                                      \
+        for (int64_t h = 0; h < H; h++)                                                            \
+            HEAD_ROW(qkv + h * D, norm ? q_weight : NULL, p->eps, cos, sin, D, row,                \
+                     (T *)p->q_out + (t * H + h) * D);                                             \
+        for (int64_t h = 0; h < KVH; h++) {                                                        \
+            T *k = (T *)p->k_out + (t * KVH + h) * D;                                              \
+            HEAD_ROW(qkv + (H + h) * D, norm ? k_weight : NULL, p->eps, cos, sin, D, row, k);      \
+            const int64_t slot = h * p->num_slots + p->slot_mapping[t];                            \
+            memcpy((T *)p->k_cache + slot * D, k, sizeof(T) * D);                                  \
+            memcpy((T *)p->v_cache + slot * D, qkv + (H + KVH + h) * D, sizeof(T) * D);            \
         }                                                                                          \
     }                                                                                              \
     return 0;                                                                                      \
 }
-DEFINE_QKV(qkv_rope_bf16, uint16_t, norm_row_bf16, rotate_bf16)
-DEFINE_QKV(qkv_rope_f32, float, norm_row_f32, rotate_f32)
+DEFINE_QKV(qkv_rope_bf16, uint16_t, head_row_bf16, widen_bf16)
+DEFINE_QKV(qkv_rope_f32, float, head_row_f32, widen_f32)
 
 /* Greedy sampling: out[i] = argmax of row i of x [rows, V] (row stride x_stride), as torch.argmax: the first
  * index of the largest value, the first NaN where the row has one. torch's CPU argmax took 0.7-1.2 ms for
