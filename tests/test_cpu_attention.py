@@ -81,8 +81,11 @@ def _reference(q, k, v, tables, lens, scale):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_matches_a_float64_reference(dtype):
-    q, k, v, tables, lens, scale = _case(dtype, kv_heads=2, group=4, head_dim=128, block_size=16, width=4)
+@pytest.mark.parametrize("group,head_dim", [(4, 128), (3, 128), (5, 64), (2, 256), (2, 96), (1, 32)])
+def test_matches_a_float64_reference(dtype, group, head_dim):
+    """bf16's weighted sum of V in register tiles (head_dim 64: 4 heads a tile, 128: 2, 256: 1, a group's remainder
+    one at a time) and in the scratch row (other head_dims) alike."""
+    q, k, v, tables, lens, scale = _case(dtype, kv_heads=2, group=group, head_dim=head_dim, block_size=16, width=4)
     out = decode_attention(q, k, v, tables, lens, scale, graph_safe=False)
     # fp32 math inside either way: only bf16's one final rounding (2^-8 relative) separates them.
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=8e-3, atol=4e-3)
