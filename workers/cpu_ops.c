@@ -165,16 +165,16 @@ int NAME(const qkv_args *p) {                                                   
     }                                                                                              \
     _Pragma("omp parallel for if(p->tokens * (H + KVH) * D > PARALLEL_MIN)")                      \
     for (int64_t t = 0; t < p->tokens; t++) {                                                      \
-        float cos[D], sin[D], row[D];                                                              \
-        WIDEN((const T *)p->cos + p->positions[t] * D, D, cos);                                    \
-        WIDEN((const T *)p->sin + p->positions[t] * D, D, sin);                                    \
+        float cos_t[D], sin_t[D], row[D];   /* this token's tables, and a head row's scratch */     \
+        WIDEN((const T *)p->cos + p->positions[t] * D, D, cos_t);                                  \
+        WIDEN((const T *)p->sin + p->positions[t] * D, D, sin_t);                                  \
         const T *qkv = (const T *)p->qkv + t * p->qkv_stride;                                      \
         for (int64_t h = 0; h < H; h++)                                                            \
-            HEAD_ROW(qkv + h * D, norm ? q_weight : NULL, p->eps, cos, sin, D, row,                \
+            HEAD_ROW(qkv + h * D, norm ? q_weight : NULL, p->eps, cos_t, sin_t, D, row,                \
                      (T *)p->q_out + (t * H + h) * D);                                             \
         for (int64_t h = 0; h < KVH; h++) {                                                        \
             T *k = (T *)p->k_out + (t * KVH + h) * D;                                              \
-            HEAD_ROW(qkv + (H + h) * D, norm ? k_weight : NULL, p->eps, cos, sin, D, row, k);      \
+            HEAD_ROW(qkv + (H + h) * D, norm ? k_weight : NULL, p->eps, cos_t, sin_t, D, row, k);      \
             const int64_t slot = h * p->num_slots + p->slot_mapping[t];                            \
             memcpy((T *)p->k_cache + slot * D, k, sizeof(T) * D);                                  \
             memcpy((T *)p->v_cache + slot * D, qkv + (H + KVH + h) * D, sizeof(T) * D);            \
