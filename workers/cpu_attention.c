@@ -150,8 +150,7 @@ static inline __attribute__((always_inline)) void pv_tile(const uint16_t *vh, co
     }
     for (int g = 0; g < GT; g++)
         for (int c = 0; c < C16; c++)
-            _mm256_storeu_si256((__m256i *)(o + g * D + 16 * c),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv[g]))));
+            st_bf16(o + g * D + 16 * c, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv[g])), 16);
 }
 
 /* The weighted sum of V for heads [0, G) in register tiles; 0 where head_dim has none (the caller's loop then). */
@@ -249,8 +248,7 @@ static int decode_attention_bf16_fast(const attn_args *p) {
             }
             for (int64_t g = 0; g < G; g++)
                 for (int64_t c = 0; c < D; c += 16)
-                    _mm256_storeu_si256((__m256i *)(o + g * D + c), (__m256i)_mm512_cvtneps_pbh(
-                        _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + c), _mm512_set1_ps(inv[g]))));
+                    st_bf16(o + g * D + c, _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + c), _mm512_set1_ps(inv[g])), 16);
         }
         free(s);
         free(acc);

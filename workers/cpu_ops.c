@@ -28,8 +28,8 @@ enum { OUT_OF_RANGE = 1 };
 #define PARALLEL_MIN (1 << 14)
 
 /* out = w * round(x * rsqrt(mean(x^2) + eps)), rounded: RMSNorm.forward of one row (fp32 maths) */
-#define DEFINE_NORM_ROW(NAME, T, LD, ROUND, ST)                                                       \
-static inline void NAME(const T *x, const T *w, float eps, int64_t D, T *out) {                    \
+#define DEFINE_NORM_ROW(NAME, T, OUT, LD, ROUND, ST)                                                  \
+static inline void NAME(const T *x, const T *w, float eps, int64_t D, OUT *out) {                  \
     vf acc = v_set(0.f);                                                                         \
     for (int64_t d = 0; d < D; d += W) {                                                           \
         const vf v = LD(x + d, (int)(D - d));                                                      \
@@ -39,8 +39,11 @@ static inline void NAME(const T *x, const T *w, float eps, int64_t D, T *out) { 
     for (int64_t d = 0; d < D; d += W)                                                             \
         ST(out + d, v_mul(LD(w + d, (int)(D - d)), ROUND(v_mul(LD(x + d, (int)(D - d)), r))), (int)(D - d)); \
 }
-DEFINE_NORM_ROW(norm_row_bf16, uint16_t, ld_bf16, round_bf16, st_bf16)
-DEFINE_NORM_ROW(norm_row_f32, float, ld_f32, round_f32, st_f32)
+DEFINE_NORM_ROW(norm_row_bf16, uint16_t, uint16_t, ld_bf16, round_bf16, st_bf16)
+DEFINE_NORM_ROW(norm_row_f32, float, float, ld_f32, round_f32, st_f32)
+/* bf16's row rounded as norm_row_bf16 stores it, kept in fp32 lanes (q/k norm before rope, below) */
+static inline void st_rounded_f32(float *p, vf v, int n) { st_f32(p, round_bf16(v), n); }
+DEFINE_NORM_ROW(norm_row_bf16_wide, uint16_t, float, ld_bf16, round_bf16, st_rounded_f32)
 
 /* x [rows, D] (row stride x_stride) -> out [rows, D]; with delta (row stride delta_stride): first
  * sum = round(x + delta) [rows, D], normalised in its place (the residual add of a decoder layer). */
@@ -96,42 +99,6 @@ typedef struct {
     void *q_out, *k_out;
 } qkv_args;
 
-/* One head row of the step: x (D, the qkv projection's) RMSNorm-ed by w (fp32 copy; NULL: no q/k norm), rotated by
- * one token's cos / sin rows (fp32 copies), written to out. The row stays in fp32 lanes of `row` (a D-float buffer)
- * between the norm and the rotation, every value rounded where the torch path stores it (norm_row's values, then
- * out = round(round(x * cos) + round(rotate_half(x) * sin))): the same bits as the norm kernel and then a rotation,
- * without the store and the reload of the normed row, and the tables widened once a token instead of once a head. */
-#define DEFINE_HEAD_ROW(NAME, T, LD, ROUND, ST)                                                       \
-static inline void NAME(const T *x, const float *w, float eps, const float *cos, const float *sin,  \
-                        int64_t D, float *row, T *out) {                                            \
-    const int64_t half = D / 2;                                                                    \
-    if (w) {                                                                                       \
-        vf acc = v_set(0.f);                                                                       \
-        for (int64_t d = 0; d < D; d += W) {                                                       \
-            const vf v = LD(x + d, (int)(D - d));                                                  \
-            acc = v_add(acc, v_mul(v, v));                                                         \
-            st_f32(row + d, v, (int)(D - d));                                                      \
-        }                                                                                          \
-        const vf r = v_set(1.f / sqrtf(v_sum(acc) / (float)D + eps));                             \
-        for (int64_t d = 0; d < D; d += W) {                                                       \
-            const int n = (int)(D - d);                                                            \
-            st_f32(row + d, ROUND(v_mul(ld_f32(w + d, n), ROUND(v_mul(ld_f32(row + d, n), r)))), n); \
-        }                                                                                          \
-    } else {                                                                                       \
-        for (int64_t d = 0; d < D; d += W)                                                         \
-            st_f32(row + d, LD(x + d, (int)(D - d)), (int)(D - d));                                \
-    }                                                                                              \
-    for (int64_t d = 0; d < half; d += W) {                                                        \
-        const int n = (int)(half - d);                                                             \
-        const vf a = ld_f32(row + d, n), b = ld_f32(row + half + d, n);                            \
-        ST(out + d, v_sub(ROUND(v_mul(a, ld_f32(cos + d, n))), ROUND(v_mul(b, ld_f32(sin + d, n)))), n); \
-        ST(out + half + d, v_add(ROUND(v_mul(b, ld_f32(cos + half + d, n))),                       \
-                                 ROUND(v_mul(a, ld_f32(sin + half + d, n)))), n);                  \
-    }                                                                                              \
-}
-DEFINE_HEAD_ROW(head_row_bf16, uint16_t, ld_bf16, round_bf16, st_bf16)
-DEFINE_HEAD_ROW(head_row_f32, float, ld_f32, round_f32, st_f32)
-
 /* fp32 copy of n values */
 #define DEFINE_WIDEN(NAME, T, LD)                                                                      \
 static inline void NAME(const T *x, int64_t n, float *out) {                                       \
@@ -140,6 +107,30 @@ static inline void NAME(const T *x, int64_t n, float *out) {                    
 }
 DEFINE_WIDEN(widen_bf16, uint16_t, ld_bf16)
 DEFINE_WIDEN(widen_f32, float, ld_f32)
+
+/* One head row of the step: x (D, the qkv projection's) RMSNorm-ed by w (NULL: no q/k norm), rotated by one token's
+ * cos / sin rows (fp32 copies), written to out. The row stays in fp32 lanes of `row` (a D-float buffer) between the
+ * norm and the rotation, every value rounded where the torch path stores it (the norm kernel's values, then
+ * out = round(round(x * cos) + round(rotate_half(x) * sin))): the same bits as the norm kernel and then a rotation,
+ * without the store and the reload of the normed row, and the tables widened once a token instead of once a head. */
+#define DEFINE_HEAD_ROW(NAME, T, NORM, WIDEN, ROUND, ST)                                              \
+static inline void NAME(const T *x, const T *w, float eps, const float *cos, const float *sin,      \
+                        int64_t D, float *row, T *out) {                                            \
+    const int64_t half = D / 2;                                                                    \
+    if (w)                                                                                         \
+        NORM(x, w, eps, D, row);                                                                   \
+    else                                                                                           \
+        WIDEN(x, D, row);                                                                          \
+    for (int64_t d = 0; d < half; d += W) {                                                        \
+        const int n = (int)(half - d);                                                             \
+        const vf a = ld_f32(row + d, n), b = ld_f32(row + half + d, n);                            \
+        ST(out + d, v_sub(ROUND(v_mul(a, ld_f32(cos + d, n))), ROUND(v_mul(b, ld_f32(sin + d, n)))), n); \
+        ST(out + half + d, v_add(ROUND(v_mul(b, ld_f32(cos + half + d, n))),                       \
+                                 ROUND(v_mul(a, ld_f32(sin + half + d, n)))), n);                  \
+    }                                                                                              \
+}
+DEFINE_HEAD_ROW(head_row_bf16, uint16_t, norm_row_bf16_wide, widen_bf16, round_bf16, st_bf16)
+DEFINE_HEAD_ROW(head_row_f32, float, norm_row_f32, widen_f32, round_f32, st_f32)
 
 /* Tokens split over the threads (each token's heads share its tables). */
 #define DEFINE_QKV(NAME, T, HEAD_ROW, WIDEN)                                                          \
@@ -157,12 +148,6 @@ int NAME(const qkv_args *p) {                                                   
                 __builtin_prefetch((char *)p->v_cache + slot * D * (int64_t)sizeof(T) + b, 1, 3);  \
             }                                                                                      \
         }                                                                                          \
-    float q_weight[D], k_weight[D];                                                                \
-    const int norm = p->q_weight != NULL;                                                          \
-    if (norm) {                                                                                    \
-        WIDEN((const T *)p->q_weight, D, q_weight);                                                \
-        WIDEN((const T *)p->k_weight, D, k_weight);                                                \
-    }                                                                                              \
     _Pragma("omp parallel for if(p->tokens * (H + KVH) * D > PARALLEL_MIN)")                      \
     for (int64_t t = 0; t < p->tokens; t++) {                                                      \
         float cos_t[D], sin_t[D], row[D];   /* this token's tables, and a head row's scratch */     \
@@ -170,11 +155,11 @@ int NAME(const qkv_args *p) {                                                   
         WIDEN((const T *)p->sin + p->positions[t] * D, D, sin_t);                                  \
         const T *qkv = (const T *)p->qkv + t * p->qkv_stride;                                      \
         for (int64_t h = 0; h < H; h++)                                                            \
-            HEAD_ROW(qkv + h * D, norm ? q_weight : NULL, p->eps, cos_t, sin_t, D, row,                \
+            HEAD_ROW(qkv + h * D, (const T *)p->q_weight, p->eps, cos_t, sin_t, D, row,                \
                      (T *)p->q_out + (t * H + h) * D);                                             \
         for (int64_t h = 0; h < KVH; h++) {                                                        \
             T *k = (T *)p->k_out + (t * KVH + h) * D;                                              \
-            HEAD_ROW(qkv + (H + h) * D, norm ? k_weight : NULL, p->eps, cos_t, sin_t, D, row, k);      \
+            HEAD_ROW(qkv + (H + h) * D, (const T *)p->k_weight, p->eps, cos_t, sin_t, D, row, k);      \
             const int64_t slot = h * p->num_slots + p->slot_mapping[t];                            \
             memcpy((T *)p->k_cache + slot * D, k, sizeof(T) * D);                                  \
             memcpy((T *)p->v_cache + slot * D, qkv + (H + KVH + h) * D, sizeof(T) * D);            \
