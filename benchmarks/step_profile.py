@@ -1,12 +1,15 @@
-"""The batch-32 base decode step, part by part, with the CPU element-wise kernels (workers/cpu_ops.c) off and on.
+"""The batch-32 base decode step, part by part: CPU element-wise kernels (workers/cpu_ops.c) off / on, CPU graphs.
 
     .venv/bin/python -m benchmarks.step_profile      (about three minutes)
 
-One process, three variants alternating round by round on the same prompts (base requests only, greedy; each
+One process, four variants alternating round by round on the same prompts (base requests only, greedy; each
 round starts at the next variant, so that no variant always runs after the same one):
 `torch` (the engine as the benchmarks run it, LoRA enabled, cpu_ops.ENABLED off: the torch ops), `kernels`
 (the same engine, kernels on: cpu_ops.c's element-wise ops and the greedy sampler's argmax) and `kernels_lora_off` (an engine built without LoRA: what a step with no adapter
-costs the LoRA-enabled engine is the difference). Parts are wall-clock accumulators on the hot functions
+costs the LoRA-enabled engine is the difference), all three eager (GraphRunner.use_cpu_graphs off), and `graphs`
+(the engine as it serves: LoRA enabled, kernels on, a step without adapters replaying its CPU graph,
+workers/cpu_graph.py; its gemm, attention and elementwise parts are the kernels' own times, taken inside the
+replay by cpu_program.c). Parts are wall-clock accumulators on the hot functions
 (benchmarks.profile_decode.timed_parts): gemm (every base linear, LM head included), attention, lora, sampling,
 and "other" = the rest of the step, split into elementwise (norms, rope + KV write, SiLU-and-mul), model_rest
 (embedding, residual adds, the forward's Python and its input buffers) and host (scheduling, step bookkeeping,
@@ -33,14 +36,31 @@ from benchmarks.common import (FULL, RESULTS, Sizes, as_engine_process, machine_
 from benchmarks.profile_decode import run_requests_split, timed_parts
 
 TIMED = ("base_linear", "attention", "lora", "sampling", "elementwise", "forward")
-VARIANTS = (("torch", True, False), ("kernels", True, True), ("kernels_lora_off", False, True))
+# (name, LoRA enabled, cpu_ops kernels, CPU decode graphs)
+VARIANTS = (("torch", True, False, False), ("kernels", True, True, False), ("kernels_lora_off", False, True, False),
+            ("graphs", True, True, True))
+# a CPU graph's kernels (by symbol) -> the part they time (the Python wrappers of timed_parts do not run on replay)
+GRAPH_PARTS = {"gemv_bf16": "base_linear", "decode_attention_bf16": "attention", "decode_attention_f32": "attention",
+               "rms_norm_bf16": "elementwise", "rms_norm_f32": "elementwise", "silu_and_mul_bf16": "elementwise",
+               "silu_and_mul_f32": "elementwise", "qkv_rope_bf16": "elementwise", "qkv_rope_f32": "elementwise"}
+
+
+def _cpu_graphs(engine) -> list:
+    return [entry[0] for entry in engine.executor.runner.graph_runner.cpu_graphs.values() if entry is not None]
 
 
 def measure(engine, prompts, sizes: Sizes) -> dict:
     """One run of the batch to its end: ms per decode step, by part."""
     totals, prefill = dict.fromkeys(TIMED, 0.0), dict.fromkeys(TIMED, 0.0)
+    for graph in _cpu_graphs(engine):
+        graph.timed = True
+        graph.reset_times()
     with timed_parts(totals):
         timing = run_requests_split(engine, prompts, [None] * len(prompts), sizes.max_tokens, totals, prefill)
+    for graph in _cpu_graphs(engine):   # replayed in decode steps only: nothing of it is prefill's
+        graph.timed = False
+        for symbol, seconds in graph.kernel_seconds().items():
+            totals[GRAPH_PARTS[symbol]] += seconds
     ms = {p: (totals[p] - prefill[p]) / timing.decode_steps * 1e3 for p in TIMED}
     step = timing.decode_s / timing.decode_steps * 1e3
     parts = {"gemm": ms["base_linear"], "attention": ms["attention"], "lora": ms["lora"], "sampling": ms["sampling"]}
@@ -58,14 +78,15 @@ def run(sizes: Sizes = FULL, dtype: str = "bfloat16", rounds: int = 3, log=print
     checkpoint = build_checkpoint(dtype, sizes.shape)
     engines = {True: make_engine(checkpoint, dtype, sizes), False: make_engine(checkpoint, dtype, sizes, False)}
     prompts = make_prompts(sizes)[:sizes.batch]
-    samples: dict[str, list[dict]] = {name: [] for name, _, _ in VARIANTS}
+    samples: dict[str, list[dict]] = {name: [] for name, *_ in VARIANTS}
     try:
-        for name, lora, kernels in VARIANTS:   # warm-up: every shape of the run once, each way
-            cpu_ops.ENABLED = kernels
+        for name, lora, kernels, graphs in VARIANTS:   # warm-up: every shape of the run once, each way
+            cpu_ops.ENABLED, engines[lora].executor.runner.graph_runner.use_cpu_graphs = kernels, graphs
             run_requests(engines[lora], prompts, [None] * len(prompts), 4)
         for r in range(rounds):
-            for name, lora, kernels in VARIANTS[r % 3:] + VARIANTS[:r % 3]:
-                cpu_ops.ENABLED = kernels
+            k = r % len(VARIANTS)
+            for name, lora, kernels, graphs in VARIANTS[k:] + VARIANTS[:k]:
+                cpu_ops.ENABLED, engines[lora].executor.runner.graph_runner.use_cpu_graphs = kernels, graphs
                 samples[name].append(measure(engines[lora], prompts, sizes))
                 row = samples[name][-1]
                 plain = run_requests(engines[lora], prompts, [None] * len(prompts), sizes.max_tokens)
@@ -93,7 +114,9 @@ def run(sizes: Sizes = FULL, dtype: str = "bfloat16", rounds: int = 3, log=print
     ratios = {"kernels_over_torch_step": [k["plain_step_ms"] / t["plain_step_ms"] for k, t in
                                           zip(samples["kernels"], samples["torch"])],
               "lora_off_over_lora_enabled_step": [o["plain_step_ms"] / k["plain_step_ms"] for o, k in
-                                                  zip(samples["kernels_lora_off"], samples["kernels"])]}
+                                                  zip(samples["kernels_lora_off"], samples["kernels"])],
+              "graphs_over_kernels_step": [g["plain_step_ms"] / k["plain_step_ms"] for g, k in
+                                           zip(samples["graphs"], samples["kernels"])]}
     return {"benchmark": "step_profile", "dtype": dtype, "sizes": sizes_dict(sizes), "machine": machine_info(),
             "rounds": rounds, "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
             "read_bandwidth_bytes_per_s": bw, "step_bytes": step_bytes, "bound_step_ms": bound_ms,
@@ -103,7 +126,7 @@ def run(sizes: Sizes = FULL, dtype: str = "bfloat16", rounds: int = 3, log=print
 def markdown(data: dict) -> str:
     v = data["variants"]
     lines = [f"# Batch-{data['sizes']['batch']} base decode step ({data['dtype']}, {data['sizes']['threads']} "
-             f"threads), CPU element-wise kernels off / on", "",
+             f"threads), CPU element-wise kernels off / on, CPU graphs", "",
              "`.venv/bin/python -m benchmarks.step_profile`: medians of "
              f"{data['rounds']} alternating rounds, ms per decode step (GLIBC_TUNABLES="
              f"{data.get('glibc_tunables') or ''!r}).", "",
@@ -119,7 +142,8 @@ def markdown(data: dict) -> str:
     r = data["ratios_per_round"]
     lines += ["", "Plain-run step time ratios per round (same round, alternating): kernels / torch " +
               ", ".join(f"{x:.3f}" for x in r["kernels_over_torch_step"]) + "; LoRA off / LoRA enabled (no adapter "
-              "in the batch) " + ", ".join(f"{x:.3f}" for x in r["lora_off_over_lora_enabled_step"]) + ".",
+              "in the batch) " + ", ".join(f"{x:.3f}" for x in r["lora_off_over_lora_enabled_step"])
+              + "; graphs / kernels " + ", ".join(f"{x:.3f}" for x in r["graphs_over_kernels_step"]) + ".",
               "", f"Bandwidth bound: {sum(data['step_bytes'].values()) / 1e6:.0f} MB a step at "
               f"{data['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (median read) = {data['bound_step_ms']:.1f} ms; "
               "the GEMM-only ceiling is bound / the step's measured GEMM time.", ""]

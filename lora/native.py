@@ -11,6 +11,7 @@ code paths of CPUs without AVX-512 or its bf16 instructions).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -23,10 +24,13 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch  # (loaded first: the kernels' libgomp.so.1 must resolve to torch's)
-from torch.utils._python_dispatch import _get_current_dispatch_mode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+from torch.utils._pytree import tree_flatten
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +159,94 @@ def eager() -> bool:
     FakeTensor) and no torch.compile trace, which must see the registered op instead. The custom op's Python
     dispatch costs about as much as a kernel at decode sizes."""
     return _get_current_dispatch_mode() is None and not torch.compiler.is_compiling()
+
+
+class KernelCall(NamedTuple):
+    """One kernel call as a captured CPU decode step records it (workers/cpu_graph.py): the ctypes function, its
+    argument struct (kept alive by the record) and the status check that raises the call's own error."""
+    fn: ctypes._CFuncPtr
+    args: ctypes.Structure
+    check: Callable[[int], None]
+
+
+_recording = threading.local()
+
+
+def call(fn, args: ctypes.Structure, check: Callable[[int], None]) -> None:
+    """fn(&args), a kernel taking one argument struct; a nonzero status goes to check (which raises). Under
+    `recording` the call is also recorded."""
+    calls = getattr(_recording, "calls", None)
+    if calls is not None:
+        calls.append(KernelCall(fn, args, check))
+    status = fn(ctypes.addressof(args))
+    if status:
+        check(status)
+
+
+_ALLOCATIONS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default}
+_METADATA = {torch.ops.mkldnn.data_ptr.default, torch.ops.mkldnn._nbytes.default}
+
+
+class _OnlyKernels(TorchDispatchMode):
+    """Inside a recorded op: notes every tensor op that is not an allocation, a view or a packed weight's address,
+    i.e. torch work a replay of the recorded kernel calls alone would skip."""
+
+    def __init__(self, state):
+        super().__init__()
+        self.state = state
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in _ALLOCATIONS:
+            self.state.allocated.append(out)
+        elif not (func in _METADATA or _aliases(func, (args, kwargs), out)):
+            self.state.torch_ops.append(func.name())
+        return out
+
+
+def _aliases(func, inputs, out) -> bool:
+    """Whether the op only made views of its inputs: no mutation, tensor outputs only, each on an input's storage
+    (`contiguous` of a strided tensor is marked as a view in its schema, yet copies; `item` reads a value that a
+    replay would not read again)."""
+    outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    if func._schema.is_mutable or not outputs:
+        return False
+    storages = {t.untyped_storage().data_ptr() for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)}
+    return all(t.untyped_storage().data_ptr() in storages for t in outputs)
+
+
+class Recording:
+    """What `recording` collected: the kernel calls, the tensors allocated for them, the other torch ops run."""
+
+    def __init__(self):
+        self.calls: list[KernelCall] = []
+        self.allocated: list[torch.Tensor] = []
+        self.torch_ops: list[str] = []
+
+
+@contextlib.contextmanager
+def recording():
+    """Record the kernel calls (`call`) of the ops run inside, on this thread; yields the Recording."""
+    state = Recording()
+    _recording.calls, _recording.state = state.calls, state
+    try:
+        yield state
+    finally:
+        _recording.calls = _recording.state = None
+
+
+def recordable(impl):
+    """Wraps a kernel op's implementation (the function registered for its torch op): while `recording`, it runs
+    under a mode that sees any torch work in it besides allocations and views (a replay of its kernel calls
+    alone would skip that work, so workers/cpu_graph.py then replays the op itself)."""
+    @functools.wraps(impl)
+    def op(*args, **kwargs):
+        state = getattr(_recording, "state", None)
+        if state is None:
+            return impl(*args, **kwargs)
+        with _OnlyKernels(state):
+            return impl(*args, **kwargs)
+    return op
 
 
 def library(source: Path, symbols: dict[str, list], ready=lambda lib: True):

@@ -72,12 +72,14 @@ def _decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: fl
                  D, H // kv_heads, block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1],
                  context_lens.data_ptr(), out.data_ptr(), H * D, B, scale,
                  rows.data_ptr() if rows is not None else None, block_tables.shape[0])
-    status = getattr(_load(), _SYMBOLS[q.dtype])(ctypes.addressof(args))
+    native.call(getattr(_load(), _SYMBOLS[q.dtype]), args, _failed)
+    return out
+
+
+def _failed(status: int) -> None:
     if status == 2:
         raise MemoryError("decode attention: out of memory for the kernel's scratch buffers")
-    if status != 0:
-        raise ValueError("decode attention: a context length, a block id or a table row is out of range")
-    return out
+    raise ValueError("decode attention: a context length, a block id or a table row is out of range")
 
 
 def _fake(q, k_cache, v_cache, block_tables, context_lens, scale: float, rows=None) -> torch.Tensor:
@@ -88,7 +90,7 @@ def _fake(q, k_cache, v_cache, block_tables, context_lens, scale: float, rows=No
 _LIB = torch.library.Library("loraserve", "FRAGMENT")   # lora/backends/cpu_sgmv.py adds the LoRA ops
 _LIB.define("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
             "float scale, Tensor? rows=None) -> Tensor")
-_LIB.impl("decode_attention", _decode_attention, "CPU")
+_LIB.impl("decode_attention", native.recordable(_decode_attention), "CPU")
 torch.library.register_fake("loraserve::decode_attention", _fake, lib=_LIB)
 
 

@@ -130,12 +130,14 @@ def _run(x: torch.Tensor, address: int, out_dim: int, in_padded: int, bias: torc
     args = _Args(x2.data_ptr(), x2.stride(0), x2.shape[0], x2.shape[1], address, in_padded, out_dim,
                  None if bias is None else bias.data_ptr(), bias is not None and bias.dtype == torch.bfloat16,
                  y.data_ptr(), out_dim)
-    status = lib.gemv_bf16(ctypes.addressof(args))
+    native.call(lib.gemv_bf16, args, lambda status: _failed(status, x.shape, in_padded))
+    return y
+
+
+def _failed(status: int, shape, in_padded: int) -> None:
     if status == OUT_OF_MEMORY:
         raise MemoryError("CPU GEMV kernel: out of memory for its rows' tiles")
-    if status != 0:
-        raise ValueError(f"packed_gemv: the kernel refused x {tuple(x.shape)} over a weight of {in_padded} inputs")
-    return y
+    raise ValueError(f"packed_gemv: the kernel refused x {tuple(shape)} over a weight of {in_padded} inputs")
 
 
 def _op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, in_padded: int) -> torch.Tensor:
@@ -163,5 +165,5 @@ def _fake(x, weight, bias, in_padded):
 _LIB = torch.library.Library("loraserve", "FRAGMENT")   # beside the LoRA, attention, MoE and W8A8 ops
 _LIB.define("packed_gemv(Tensor x, Tensor weight, Tensor? bias, int in_padded) -> Tensor")
 for _key in ("CPU", "MkldnnCPU"):   # the dispatcher keys a call by its weight, oneDNN's tensor
-    _LIB.impl("packed_gemv", _op, _key)
+    _LIB.impl("packed_gemv", native.recordable(_op), _key)
 torch.library.register_fake("loraserve::packed_gemv", _fake, lib=_LIB)

@@ -46,10 +46,27 @@ static inline void st_rounded_f32(float *p, vf v, int n) { st_f32(p, round_bf16(
 DEFINE_NORM_ROW(norm_row_bf16_wide, uint16_t, float, ld_bf16, round_bf16, st_rounded_f32)
 
 /* x [rows, D] (row stride x_stride) -> out [rows, D]; with delta (row stride delta_stride): first
- * sum = round(x + delta) [rows, D], normalised in its place (the residual add of a decoder layer). */
+ * sum = round(x + delta) [rows, D], normalised in its place (the residual add of a decoder layer).
+ * Every entry point takes one argument struct, so a captured decode step can run it from a program
+ * (workers/cpu_program.c). */
+typedef struct {
+    const void *x;
+    int64_t x_stride;
+    const void *delta;
+    int64_t delta_stride;
+    void *sum;
+    const void *w;
+    float eps;
+    int64_t rows, D;
+    void *out;
+} norm_args;
+
 #define DEFINE_RMS_NORM(NAME, T, ROW, LD, ST)                                                         \
-int NAME(const T *x, int64_t x_stride, const T *delta, int64_t delta_stride, T *sum, const T *w,  \
-         float eps, int64_t rows, int64_t D, T *out) {                                             \
+int NAME(const norm_args *p) {                                                                     \
+    const T *x = p->x, *delta = p->delta, *w = p->w;                                               \
+    T *sum = p->sum, *out = p->out;                                                                \
+    const int64_t rows = p->rows, D = p->D, x_stride = p->x_stride, delta_stride = p->delta_stride; \
+    const float eps = p->eps;                                                                      \
     _Pragma("omp parallel for if(rows * D > PARALLEL_MIN)")                                       \
     for (int64_t i = 0; i < rows; i++) {                                                           \
         const T *xi = x + i * x_stride;                                                            \
@@ -67,8 +84,17 @@ DEFINE_RMS_NORM(rms_norm_bf16, uint16_t, norm_row_bf16, ld_bf16, st_bf16)
 DEFINE_RMS_NORM(rms_norm_f32, float, norm_row_f32, ld_f32, st_f32)
 
 /* SiLU-and-mul: x [rows, 2I] (gate | up, row stride x_stride) -> out [rows, I], each row by vec.h's silu_mul_row. */
+typedef struct {
+    const void *x;
+    int64_t x_stride, rows, I;
+    void *out;
+} silu_args;
+
 #define DEFINE_SILU_AND_MUL(NAME, T, ROW)                                                                  \
-int NAME(const T *x, int64_t x_stride, int64_t rows, int64_t I, T *out) {                          \
+int NAME(const silu_args *p) {                                                                     \
+    const T *x = p->x;                                                                             \
+    T *out = p->out;                                                                               \
+    const int64_t rows = p->rows, I = p->I, x_stride = p->x_stride;                                \
     _Pragma("omp parallel for if(rows * I > PARALLEL_MIN)")                                       \
     for (int64_t i = 0; i < rows; i++) ROW(x + i * x_stride, I, out + i * I);                      \
     return 0;                                                                                      \

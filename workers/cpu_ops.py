@@ -22,8 +22,7 @@ from lora import native
 SOURCE = Path(__file__).with_name("cpu_ops.c")
 _DTYPES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _P, _I = ctypes.c_void_p, ctypes.c_int64
-_ARGTYPES = {"rms_norm": [_P, _I, _P, _I, _P, _P, ctypes.c_float, _I, _I, _P],
-             "silu_and_mul": [_P, _I, _I, _I, _P], "qkv_rope": [_P], "argmax": [_P, _I, _I, _I, _P]}
+_ARGTYPES = {"rms_norm": [_P], "silu_and_mul": [_P], "qkv_rope": [_P], "argmax": [_P, _I, _I, _I, _P]}
 # Off switch for A/B measurement in one process (benchmarks/step_profile.py); LORASERVE_CPU_OPS=0 at start.
 ENABLED = os.environ.get("LORASERVE_CPU_OPS", "1") != "0"
 
@@ -56,7 +55,22 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return rows
 
 
+def _no_status(name: str):
+    def check(status: int) -> None:
+        raise RuntimeError(f"{name}: the kernel returned {status}")
+    return check
+
+
 # ---- RMSNorm, with the residual add before it --------------------------------------------------------------
+class _NormArgs(ctypes.Structure):
+    """norm_args of cpu_ops.c, field for field."""
+    _fields_ = [("x", _P), ("x_stride", _I), ("delta", _P), ("delta_stride", _I), ("sum", _P), ("w", _P),
+                ("eps", ctypes.c_float), ("rows", _I), ("D", _I), ("out", _P)]
+
+
+_norm_failed, _silu_failed = _no_status("rms_norm"), _no_status("silu_and_mul")
+
+
 def _rms_norm_impl(x, weight, eps: float, delta=None):
     D = x.shape[-1]
     if weight.shape != (D,) or not weight.is_contiguous() or (delta is not None and delta.shape != x.shape):
@@ -65,12 +79,14 @@ def _rms_norm_impl(x, weight, eps: float, delta=None):
     rows = _rows(x)
     out = torch.empty(rows.shape[0], D, dtype=x.dtype)
     if delta is None:
-        _fn("rms_norm", x.dtype)(rows.data_ptr(), rows.stride(0), None, 0, None, weight.data_ptr(), eps,
-                                 rows.shape[0], D, out.data_ptr())
+        args = _NormArgs(rows.data_ptr(), rows.stride(0), None, 0, None, weight.data_ptr(), eps, rows.shape[0], D,
+                         out.data_ptr())
+        native.call(_fn("rms_norm", x.dtype), args, _norm_failed)
         return (out if x.dim() == 2 else out.view(x.shape)), None
     deltas, total = _rows(delta), torch.empty(rows.shape[0], D, dtype=x.dtype)
-    _fn("rms_norm", x.dtype)(rows.data_ptr(), rows.stride(0), deltas.data_ptr(), deltas.stride(0), total.data_ptr(),
-                             weight.data_ptr(), eps, rows.shape[0], D, out.data_ptr())
+    args = _NormArgs(rows.data_ptr(), rows.stride(0), deltas.data_ptr(), deltas.stride(0), total.data_ptr(),
+                     weight.data_ptr(), eps, rows.shape[0], D, out.data_ptr())
+    native.call(_fn("rms_norm", x.dtype), args, _norm_failed)
     if x.dim() == 2:   # a decoder layer's [T, hidden]: no views (a few us each, 16 calls a step)
         return out, total
     return out.view(x.shape), total.view(x.shape)
@@ -97,12 +113,18 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
 
 
 # ---- SiLU-and-mul -------------------------------------------------------------------------------------------
+class _SiluArgs(ctypes.Structure):
+    """silu_args of cpu_ops.c, field for field."""
+    _fields_ = [("x", _P), ("x_stride", _I), ("rows", _I), ("I", _I), ("out", _P)]
+
+
 def _silu_and_mul_impl(x):
     if x.shape[-1] % 2:
         raise ValueError(f"silu_and_mul: the last dimension ({x.shape[-1]}) must be gate and up, of equal size")
     rows, inter = _rows(x), x.shape[-1] // 2
     out = torch.empty(rows.shape[0], inter, dtype=x.dtype)
-    _fn("silu_and_mul", x.dtype)(rows.data_ptr(), rows.stride(0), rows.shape[0], inter, out.data_ptr())
+    native.call(_fn("silu_and_mul", x.dtype), _SiluArgs(rows.data_ptr(), rows.stride(0), rows.shape[0], inter,
+                                                        out.data_ptr()), _silu_failed)
     return out.view(*x.shape[:-1], inter)
 
 
@@ -158,9 +180,12 @@ def _qkv_rope_impl(qkv, positions, cos, sin, q_weight, k_weight, eps: float, num
                     k_weight.data_ptr() if k_weight is not None else None, eps,
                     k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1] * k_cache.shape[2],
                     slot_mapping.data_ptr(), q.data_ptr(), k.data_ptr())
-    if _fn("qkv_rope", qkv.dtype)(ctypes.addressof(args)) != 0:
-        raise IndexError("qkv_rope: a position is past the rope table or a slot past the KV cache")
+    native.call(_fn("qkv_rope", qkv.dtype), args, _qkv_out_of_range)
     return q, k
+
+
+def _qkv_out_of_range(status: int) -> None:
+    raise IndexError("qkv_rope: a position is past the rope table or a slot past the KV cache")
 
 
 def qkv_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -202,11 +227,12 @@ _LIB.define("argmax(Tensor logits) -> Tensor")
 _LIB.define("qkv_rope(Tensor qkv, Tensor positions, Tensor cos, Tensor sin, Tensor? q_weight, Tensor? k_weight, "
             "float eps, int num_heads, int num_kv_heads, Tensor(a!) k_cache, Tensor(b!) v_cache, "
             "Tensor slot_mapping) -> (Tensor, Tensor)")
-_LIB.impl("rms_norm", lambda x, weight, eps: _rms_norm_impl(x, weight, eps)[0], "CPU")
-_LIB.impl("add_rms_norm", lambda x, delta, weight, eps: _rms_norm_impl(x, weight, eps, delta)[::-1], "CPU")
-_LIB.impl("silu_and_mul", _silu_and_mul_impl, "CPU")
+_LIB.impl("rms_norm", native.recordable(lambda x, weight, eps: _rms_norm_impl(x, weight, eps)[0]), "CPU")
+_LIB.impl("add_rms_norm",
+          native.recordable(lambda x, delta, weight, eps: _rms_norm_impl(x, weight, eps, delta)[::-1]), "CPU")
+_LIB.impl("silu_and_mul", native.recordable(_silu_and_mul_impl), "CPU")
 _LIB.impl("argmax", _argmax_impl, "CPU")
-_LIB.impl("qkv_rope", _qkv_rope_impl, "CPU")
+_LIB.impl("qkv_rope", native.recordable(_qkv_rope_impl), "CPU")
 
 
 def _fake_qkv_rope(qkv, positions, cos, sin, q_weight, k_weight, eps, num_heads, num_kv_heads, k_cache, v_cache,

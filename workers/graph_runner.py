@@ -21,8 +21,11 @@ A graph whose capture fails (ACL graph stream limits, an old driver, an op that 
 need HCCL's AIV expansion: set `HCCL_OP_EXPANSION_MODE=AIV` in the workers' environment, or the all-reduce
 capture fails (and its buckets then run eagerly).
 
-On CPU without the emulation the same static-buffer path runs eagerly (trimming the block table to the
-widest sequence, which only an eager run can do).
+On the CPU without the emulation a step with no adapter replays a kernel program (workers/cpu_graph.py: the
+step's C kernel calls back to back from C, no Python between them), one per batch bucket, captured on its
+first use; it reads the full-width block table (the attention kernel walks each sequence's own blocks only).
+Steps with adapters run eagerly on the same static buffers (trimming the block table to the widest sequence,
+which only an eager run can do), as does everything when the CPU graphs are off (`enforce_eager`, TP > 1).
 
 LoRA: a module that no adapter of the step targets would add only zeros (embed_tokens and lm_head, in the
 default targets, read vocab x rank weights per adapter for that). A graph replays a fixed
@@ -40,7 +43,7 @@ import torch
 
 from lora.batch import LoRABatchInfo
 from lora.modules import GROUPS
-from workers import tape_graph
+from workers import cpu_graph, tape_graph
 from workers.forward_batch import ForwardBatch
 from workers.kv_cache import blocks_needed
 from workers.plan import StepPlan
@@ -48,6 +51,11 @@ from workers.plan import StepPlan
 logger = logging.getLogger(__name__)
 
 MIN_GRAPH_WIDTH = 4   # blocks: a narrower graph saves nothing worth its capture (64 tokens at block size 16)
+# A CPU graph is kept where every layer is our kernels alone: a bf16 dense step's torch ops are its embedding and
+# the last norm's row gather and add (4), whatever its depth. Where a layer runs torch ops (fp32 or more rows than
+# cpu_gemv takes: oneDNN's linears; MoE routing; W8A8) the step stays eager, as measured before the graphs, and
+# padded rows never reach oneDNN (its bits depend on the batch).
+MAX_CPU_GRAPH_TORCH_OPS = 8
 
 
 def lora_tiers(groups: frozenset[str] | None) -> tuple[frozenset[str] | None, ...]:
@@ -72,7 +80,7 @@ def width_buckets(max_blocks: int, smallest: int = MIN_GRAPH_WIDTH) -> tuple[int
 
 class GraphRunner:
     def __init__(self, model, kv_cache, platform, device, config, max_model_len: int, capture: bool, graph_safe: bool,
-                 lora_backend=None, lora_groups: frozenset[str] | None = None):
+                 lora_backend=None, lora_groups: frozenset[str] | None = None, tp_size: int = 1):
         self.model, self.kv_cache, self.platform, self.device = model, kv_cache, platform, device
         self.block_size = config.kv_block_size
         self.emulated = platform.name == "cpu" and config.emulate_capture and not config.enforce_eager
@@ -101,6 +109,10 @@ class GraphRunner:
         else:
             self._new_graph, self._graph_context = platform.graph, platform.graph_context
         self.lazy = self.emulated
+        # batch bucket -> (CPUGraph, logits), None where that bucket runs eagerly (its capture failed)
+        self.use_cpu_graphs = (platform.name == "cpu" and not config.enforce_eager and not self.emulated
+                               and tp_size == 1 and cpu_graph.available())   # TP: its collectives are no ops
+        self.cpu_graphs: dict[int, tuple[cpu_graph.CPUGraph, torch.Tensor] | None] = {}
         if capture and not self.lazy:
             self._capture_all()
 
@@ -149,7 +161,16 @@ class GraphRunner:
         """Logits [num_seqs, vocab]; `lora` is the host-segment info used by the eager control path, `groups`
         the LoRA groups the step's adapters fill (None: every group)."""
         B = plan.num_seqs
-        b = self._bucket(B) if (self.capture or self.graph_safe) else B
+        b = self._bucket(B)
+        if self.use_cpu_graphs and not self.tier(groups) and self.cpu_graphs.get(b, ()) is not None:
+            self._fill(plan, b)   # () above: not tried yet; None: its capture failed, the bucket runs eagerly
+            if b not in self.cpu_graphs:
+                self.cpu_graphs[b] = self._capture_cpu(b)
+            if self.cpu_graphs[b] is not None:
+                graph, logits = self.cpu_graphs[b]
+                graph.replay()
+                return logits[:B]
+        b = b if (self.capture or self.graph_safe) else B
         width = self._fill(plan, b)
         if self.capture:
             key = (b, self.width_bucket(width), self.tier(groups))
@@ -161,6 +182,33 @@ class GraphRunner:
                 return logits[:B]
         lora = self._graph_lora(b, groups) if self.graph_safe else lora
         return self.model(self._batch(b, width, lora), self.kv_cache)[:B]
+
+    def _cpu_batch(self, b: int) -> ForwardBatch:
+        """The static buffers' first b rows at full width, for the C kernels (no LoRA: steps without adapters)."""
+        return ForwardBatch(input_ids=self.input_ids[:b], positions=self.positions[:b],
+                            slot_mapping=self.slot_mapping[:b], logits_indices=self.logits_indices[:b],
+                            num_decode_tokens=b, block_tables=self.block_tables[:b], context_lens=self.context_lens[:b],
+                            lora=None, lm_lora=None, graph_safe=False)
+
+    def _capture_cpu(self, b: int) -> tuple[cpu_graph.CPUGraph, torch.Tensor] | None:
+        """Batch bucket b's kernel program on the static buffers as they are (this step's), or None: the bucket
+        then runs eagerly (said once in the log)."""
+        batch = self._cpu_batch(b)
+        try:
+            with torch.inference_mode():
+                self.model(batch, self.kv_cache)   # warm-up: lazy initialisation must not happen while capturing
+                graph = cpu_graph.CPUGraph()
+                with cpu_graph.graph(graph):
+                    logits = self.model(batch, self.kv_cache)
+        except Exception as e:   # noqa: BLE001: the eager path is the same maths, a failed capture only costs speed
+            logger.info("CPU decode graph for batch bucket %d not captured, that bucket runs eagerly: %s: %s", b,
+                        type(e).__name__, e)
+            return None
+        if graph.num_torch_ops > MAX_CPU_GRAPH_TORCH_OPS:
+            logger.info("CPU decode graph for batch bucket %d: %d torch ops beside %d kernel calls; that bucket runs "
+                        "eagerly", b, graph.num_torch_ops, graph.num_kernel_calls)
+            return None
+        return graph, logits
 
     def _capture_all(self) -> None:
         for tier in reversed(self.tiers):     # largest first so smaller graphs reuse its memory pool

@@ -1,7 +1,7 @@
 """ModelRunner: one device's model shard, KV cache, LoRA slots; executes StepPlans.
 
-A pure decode step goes through the GraphRunner (captured on CUDA / NPU); every other step
-(prefill chunks, with or without decodes beside them) runs eagerly.
+A pure decode step goes through the GraphRunner (captured on CUDA / NPU; on the CPU a step without adapters
+replays its kernel program); every other step (prefill chunks, with or without decodes beside them) runs eagerly.
 """
 from __future__ import annotations
 
@@ -150,12 +150,12 @@ class ModelRunner:
         self.get_adapter = get_adapter
         self.lora_backend = None
         self.slot_pool = self._init_lora() if config.enable_lora else None
-        graph_safe = config.graph_safe_decode
-        capture = platform.supports_graphs and not config.enforce_eager
+        capture, graph_safe = platform.supports_graphs and not config.enforce_eager, config.graph_safe_decode
         self.graph_runner = GraphRunner(self.model, self.kv_cache, platform, device, config, runtime.max_model_len,
                                         capture=capture, graph_safe=capture if graph_safe is None else graph_safe,
                                         lora_backend=self.lora_backend,
-                                        lora_groups=frozenset(self.slot_pool.groups) if self.slot_pool else None)
+                                        lora_groups=frozenset(self.slot_pool.groups) if self.slot_pool else None,
+                                        tp_size=self.tp.size)
 
     def _init_lora(self) -> SlotPool:
         cfg = self.runtime.hf_config

@@ -69,6 +69,13 @@ class _Entry:
     def __init__(self, func, args, kwargs, copies):
         self.func, self.args, self.kwargs, self.copies = func, args, kwargs, copies
 
+    def run(self) -> None:
+        out = self.func(*self.args, **self.kwargs)
+        if self.copies:
+            outputs, _ = tree_flatten(out)
+            for i, target in self.copies:
+                target.copy_(outputs[i])
+
 
 class _Recorder(TorchDispatchMode):
     def __init__(self, tape: list):
@@ -79,6 +86,10 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         _check(func, args, kwargs)
         out = func(*args, **kwargs)
+        self.record(func, args, kwargs, out)
+        return out
+
+    def record(self, func, args, kwargs, out) -> None:
         inputs, _ = tree_flatten((args, kwargs))
         aliased = {_storage(t) for t in inputs if isinstance(t, torch.Tensor)} - {None}
         outputs, _ = tree_flatten(out)
@@ -95,7 +106,6 @@ class _Recorder(TorchDispatchMode):
                 copies.append((i, t))
         if copies or func._schema.is_mutable:
             self.tape.append(_Entry(func, args, kwargs, tuple(copies)))
-        return out
 
 
 class TapeGraph:
@@ -118,11 +128,7 @@ class TapeGraph:
             raise RuntimeError("TapeGraph.replay() before a capture")
         with torch.inference_mode():
             for entry in self._tape:
-                out = entry.func(*entry.args, **entry.kwargs)
-                if entry.copies:
-                    outputs, _ = tree_flatten(out)
-                    for i, target in entry.copies:
-                        target.copy_(outputs[i])
+                entry.run()
 
     def reset(self) -> None:
         self._tape, self.captured = [], False

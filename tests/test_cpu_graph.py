@@ -1,0 +1,108 @@
+"""workers/cpu_graph.py: a CPU decode step without adapters replayed as its kernel program (workers/cpu_program.c)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.factories import PROMPTS, make_adapter
+from workers import EngineConfig, LLMEngine, SamplingParams, cpu_gemv, cpu_graph, cpu_ops, tape_graph
+
+pytestmark = pytest.mark.skipif(not (cpu_graph.available() and cpu_ops.available()), reason="needs a C compiler")
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def _generate(path: str, prompts=PROMPTS[:3], adapter: str | None = None, adapters=None, **config):
+    engine = LLMEngine(EngineConfig(model=path, dtype=config.pop("dtype", "bfloat16"), device="cpu", **config))
+    try:
+        for name, source in (adapters or {}).items():
+            engine.load_adapter(name, str(source))
+        out = engine.generate(prompts, GREEDY, [adapter] * len(prompts))
+        return out, dict(engine.executor.runner.graph_runner.cpu_graphs)
+    finally:
+        engine.close()
+
+
+def _same(a, b) -> None:
+    """Same tokens and the same logprobs, bit for bit: the replay runs the eager step's kernels on its rows."""
+    for x, y in zip(a, b, strict=True):
+        assert x.token_ids == y.token_ids
+        assert x.logprobs == y.logprobs and len(x.logprobs) == GREEDY.max_tokens
+
+
+@pytest.mark.skipif(not cpu_gemv.available(), reason="the bf16 linears are oneDNN's without the GEMV kernel")
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_a_step_without_adapters_replays_the_eager_steps_kernels(model_dir, arch):
+    path = str(model_dir(arch))
+    graphed, graphs = _generate(path)
+    eager, none = _generate(path, enforce_eager=True)
+    _same(graphed, eager)
+    assert none == {}
+    graph, logits = graphs[4]   # three sequences: the bucket of 4, its padded row written to the scratch block
+    layers = 2
+    assert graph.num_kernel_calls >= 8 * layers and graph.num_torch_ops <= 4 and logits.shape[0] == 4
+
+
+def test_steps_with_an_adapter_run_eagerly_and_the_others_replay(model_dir, tmp_path):
+    path = model_dir("qwen3")
+    adapters = {"a": make_adapter(path, tmp_path / "a")}
+    lora = dict(enable_lora=True, max_lora_rank=8, adapters=adapters)
+    with_adapter, graphs = _generate(str(path), adapter="a", **lora)
+    assert graphs == {}   # every decode step had the adapter
+    _same(with_adapter, _generate(str(path), adapter="a", enforce_eager=True, **lora)[0])
+    base, graphs = _generate(str(path), **lora)
+    assert graphs and all(entry is not None for entry in graphs.values())
+    _same(base, _generate(str(path), enforce_eager=True, **lora)[0])
+
+
+def test_a_step_of_mostly_torch_ops_keeps_its_eager_step(model_dir):
+    """fp32: the linears are oneDNN's, torch ops in a replay; the bucket is tried once, then runs eagerly as before."""
+    path = str(model_dir("qwen3"))
+    graphed, graphs = _generate(path, dtype="float32")
+    assert graphs == {4: None}
+    _same(graphed, _generate(path, dtype="float32", enforce_eager=True)[0])
+
+
+def _capture(fn):
+    graph = cpu_graph.CPUGraph()
+    with torch.inference_mode(), cpu_graph.graph(graph):
+        out = fn()
+    return graph, out
+
+
+def test_an_op_with_torch_work_inside_replays_through_the_dispatcher():
+    """rms_norm of a view with a column stride copies its rows first (torch work): a replay of its kernel call alone
+    would read the capture's copy, so that op replays whole; the plain one replays as its kernel call."""
+    base, w = torch.randn(4, 128).bfloat16(), torch.randn(64).bfloat16()
+    plain, strided = base[:, 64:], base[:, ::2]
+    graph, (a, b) = _capture(lambda: (cpu_ops.rms_norm(plain, w, 1e-6), cpu_ops.rms_norm(strided, w, 1e-6)))
+    assert graph.num_kernel_calls == 1 and graph.num_torch_ops >= 1
+    base.copy_(torch.randn(4, 128).bfloat16())
+    graph.replay()
+    assert torch.equal(a, cpu_ops.rms_norm(plain, w, 1e-6)) and torch.equal(b, cpu_ops.rms_norm(strided, w, 1e-6))
+
+
+def test_a_replay_raises_the_kernels_own_error_and_times_its_calls():
+    qkv, positions = torch.randn(2, 4 * 16).bfloat16(), torch.tensor([3, 5])
+    cos, sin = torch.randn(8, 16).bfloat16(), torch.randn(8, 16).bfloat16()
+    k_cache = torch.zeros(1, 4, 4, 16, dtype=torch.bfloat16)
+    v_cache, slots = torch.zeros_like(k_cache), torch.tensor([1, 6])
+    graph, (q, k) = _capture(lambda: cpu_ops.qkv_rope(qkv, positions, cos, sin, None, None, 0.0, 2, 1, k_cache,
+                                                      v_cache, slots))
+    assert graph.num_kernel_calls == 1 and graph.num_torch_ops == 0
+    qkv.copy_(torch.randn(2, 4 * 16).bfloat16())
+    graph.timed = True
+    graph.replay()
+    assert torch.equal(q, cpu_ops.qkv_rope(qkv, positions, cos, sin, None, None, 0.0, 2, 1, k_cache, v_cache,
+                                           slots)[0])
+    assert graph.kernel_seconds()["qkv_rope_bf16"] > 0
+    graph.reset_times()
+    assert graph.kernel_seconds() == {"qkv_rope_bf16": 0.0}
+    positions[1] = 8   # past the rope table
+    with pytest.raises(IndexError, match="past the rope table"):
+        graph.replay()
+
+
+def test_a_host_read_while_capturing_raises():
+    x = torch.randn(4)
+    with pytest.raises(tape_graph.CaptureError):
+        _capture(lambda: x.sum().item())
