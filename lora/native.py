@@ -195,6 +195,10 @@ class _OnlyKernels(TorchDispatchMode):
         super().__init__()
         self.state = state
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:   # as workers/tape_graph.py's recorder: no torch._dynamo import
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func in _ALLOCATIONS:

@@ -32,3 +32,4 @@ class ForwardBatch:
     lora: LoRABatchInfo | None = None        # per token
     lm_lora: LoRABatchInfo | None = None     # per logits row
     graph_safe: bool = False                 # decode ops must be capturable: device tensor ops only
+    all_rows_logits: bool = False            # logits_indices is every row in order (a decode batch's static buffers)

@@ -93,12 +93,13 @@ class GraphRunner:
         n, self.width = self.buckets[-1], blocks_needed(max_model_len, self.block_size)
         self.widths = width_buckets(self.width)
         i64 = dict(dtype=torch.int64, device=device)
-        self.input_ids = torch.zeros(n, **i64)
-        self.positions = torch.zeros(n, **i64)
-        self.slot_mapping = torch.zeros(n, **i64)        # padded rows write into the scratch block
-        self.context_lens = torch.ones(n, **i64)
+        # the per-row inputs, rows of one buffer filled by one copy a step: ids, positions, KV slots (padded rows
+        # write into the scratch block), context lengths, LoRA slots
+        self._rows = torch.zeros(5, n, **i64)
+        self.input_ids, self.positions, self.slot_mapping, self.context_lens, self.token_slots = self._rows.unbind()
+        self.context_lens.fill_(1)
+        self.token_slots.fill_(-1)
         self.block_tables = torch.zeros(n, self.width, **i64)
-        self.token_slots = torch.full((n,), -1, **i64)
         self.logits_indices = torch.arange(n, **i64)
         # (batch, width, LoRA tier) -> graph, logits / -> the capture's error (that bucket runs eagerly)
         self.graphs: dict[tuple[int, int, frozenset | None], tuple[object, torch.Tensor]] = {}
@@ -138,23 +139,23 @@ class GraphRunner:
         return ForwardBatch(input_ids=self.input_ids[:b], positions=self.positions[:b],
                             slot_mapping=self.slot_mapping[:b], logits_indices=self.logits_indices[:b],
                             num_decode_tokens=b, block_tables=self.block_tables[:b, :width],
-                            context_lens=self.context_lens[:b], lora=lora, lm_lora=lora, graph_safe=self.graph_safe)
+                            context_lens=self.context_lens[:b], lora=lora, lm_lora=lora, graph_safe=self.graph_safe,
+                            all_rows_logits=True)
 
-    def _fill(self, plan: StepPlan, b: int) -> int:
-        """Copy the plan into the static buffers (padded rows reset); returns the block-table width used."""
+    def _fill(self, plan: StepPlan, b: int, zero_tables: bool = True) -> int:
+        """Copy the plan into the static buffers (padded rows reset); returns the block-table width used. Without
+        zero_tables the columns past it keep older steps' blocks (the CPU graphs' kernel reads a row's own only)."""
         B, bs = plan.num_seqs, self.block_size
         pad = b - B
         width = max(blocks_needed(n, bs) for n in plan.seq_lens)
         tables = [t + [0] * (width - len(t)) for t in plan.block_tables] + [[0] * width] * pad
         slot_mapping = [t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(plan.block_tables, plan.seq_lens)]
-        host = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
-        self.input_ids[:b].copy_(host(plan.input_ids + [0] * pad), non_blocking=True)
-        self.positions[:b].copy_(host(plan.positions + [0] * pad), non_blocking=True)
-        self.slot_mapping[:b].copy_(host(slot_mapping + [0] * pad), non_blocking=True)
-        self.context_lens[:b].copy_(host(plan.seq_lens + [1] * pad), non_blocking=True)
-        self.block_tables[:b].zero_()
-        self.block_tables[:b, :width].copy_(host(tables), non_blocking=True)
-        self.token_slots[:b].copy_(host(plan.lora_slots + [-1] * pad), non_blocking=True)
+        rows = [plan.input_ids + [0] * pad, plan.positions + [0] * pad, slot_mapping + [0] * pad,
+                plan.seq_lens + [1] * pad, plan.lora_slots + [-1] * pad]
+        self._rows[:, :b].copy_(torch.tensor(rows, dtype=torch.int64), non_blocking=True)
+        if zero_tables:
+            self.block_tables[:b].zero_()
+        self.block_tables[:b, :width].copy_(torch.tensor(tables, dtype=torch.int64), non_blocking=True)
         return width
 
     def decode(self, plan: StepPlan, lora: LoRABatchInfo | None, groups: frozenset[str] | None = None) -> torch.Tensor:
@@ -163,7 +164,7 @@ class GraphRunner:
         B = plan.num_seqs
         b = self._bucket(B)
         if self.use_cpu_graphs and not self.tier(groups) and self.cpu_graphs.get(b, ()) is not None:
-            self._fill(plan, b)   # () above: not tried yet; None: its capture failed, the bucket runs eagerly
+            self._fill(plan, b, zero_tables=False)   # () above: not tried yet; None: its capture failed
             if b not in self.cpu_graphs:
                 self.cpu_graphs[b] = self._capture_cpu(b)
             if self.cpu_graphs[b] is not None:
@@ -188,7 +189,7 @@ class GraphRunner:
         return ForwardBatch(input_ids=self.input_ids[:b], positions=self.positions[:b],
                             slot_mapping=self.slot_mapping[:b], logits_indices=self.logits_indices[:b],
                             num_decode_tokens=b, block_tables=self.block_tables[:b], context_lens=self.context_lens[:b],
-                            lora=None, lm_lora=None, graph_safe=False)
+                            lora=None, lm_lora=None, graph_safe=False, all_rows_logits=True)
 
     def _capture_cpu(self, b: int) -> tuple[cpu_graph.CPUGraph, torch.Tensor] | None:
         """Batch bucket b's kernel program on the static buffers as they are (this step's), or None: the bucket

@@ -82,6 +82,12 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.tape = tape
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """No: nothing here is compiled, and torch would otherwise wrap __torch_dispatch__ in _disable_dynamo, whose
+        first call imports torch._dynamo (1.1 s of a CPU decode graph's first capture)."""
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         _check(func, args, kwargs)

@@ -166,5 +166,7 @@ class LlamaForCausalLM(nn.Module):
         x, residual = self.embed_tokens(batch.input_ids, batch.lora), None
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, batch, (kv_cache.k[i], kv_cache.v[i]))
+        if batch.all_rows_logits:   # a decode step: the last residual add and norm as one kernel, no row gather
+            return self.lm_head(self.norm.add_and_norm(residual, x)[1], batch.lm_lora)
         rows = batch.logits_indices
         return self.lm_head(self.norm(residual[rows] + x[rows]), batch.lm_lora)
