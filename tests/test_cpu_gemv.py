@@ -7,7 +7,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from tests.factories import PROMPTS
-from workers import EngineConfig, LLMEngine, SamplingParams, cpu_gemv, parallel, tape_graph
+from workers import EngineConfig, LLMEngine, SamplingParams, cpu_gemv, cpu_ops, parallel, tape_graph
 
 pytestmark = pytest.mark.skipif(not (cpu_gemv.available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
                                 reason="needs the AVX512-BF16 dot instruction and oneDNN's bf16")
@@ -49,6 +49,29 @@ def test_few_rows_through_the_packed_weight_matches_the_product(out_dim, in_dim,
     x3 = torch.randn(2, 1, in_dim).bfloat16()
     flat = cpu_gemv.linear(x3.view(2, in_dim), packed, bias)
     assert torch.equal(parallel.linear(x3, packed, bias), flat.view(2, 1, -1))
+
+
+@pytest.mark.parametrize("inter,in_dim", [(32, 64), (96, 130), (64, 1000)])
+@pytest.mark.parametrize("bias_dtype", [None, torch.bfloat16, torch.float32])
+def test_silu_and_mul_in_the_gemv_matches_the_gemv_then_the_kernel(inter, in_dim, bias_dtype):
+    """act=SILU_AND_MUL: each gate block beside its up block, the activation in the epilogue: the bits of the
+    GEMV's rounded [gate | up] through cpu_ops.silu_and_mul, on both paths (1-4 rows, AMX's 5-32)."""
+    dense, packed = _packed(2 * inter, in_dim, seed=3)
+    assert cpu_gemv.adopt(packed, dense) and cpu_gemv.takes_silu(packed)
+    bias = None if bias_dtype is None else torch.randn(2 * inter).to(bias_dtype)
+    wide = torch.randn(32, in_dim + 4).bfloat16() * 3
+    for rows in (1, 2, 3, 4, 5, 16, 17, 31, min(32, cpu_gemv.max_rows())):
+        if rows > cpu_gemv.max_rows():
+            continue
+        x = wide[:rows, 2:2 + in_dim]
+        fused = cpu_gemv.linear(x, packed, bias, cpu_gemv.SILU_AND_MUL)
+        assert fused.shape == (rows, inter)
+        assert torch.equal(fused, cpu_ops.silu_and_mul(cpu_gemv.linear(x, packed, bias)))
+        assert torch.equal(fused, parallel.linear_silu(x, packed, bias))
+    odd = _packed(2 * 48, 64)[1]   # halves of 48 outputs: not whole blocks
+    assert not cpu_gemv.takes_silu(odd) and parallel.linear_silu(wide[:2, :64], odd) is None
+    with pytest.raises(ValueError, match="act 1"):
+        torch.ops.loraserve.packed_gemv(wide[:2, :64], odd, None, 64, cpu_gemv.SILU_AND_MUL)
 
 
 def test_linear_sends_up_to_max_rows_here_and_more_to_onednn(monkeypatch):

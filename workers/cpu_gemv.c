@@ -17,8 +17,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#include "../lora/native.h"
 #include "../lora/status.h"
+#include "../lora/vec.h"
 
 typedef struct {
     const uint16_t *x;
@@ -29,10 +29,18 @@ typedef struct {
     int64_t bias_bf16;
     uint16_t *y;
     int64_t y_stride;
+    int64_t act;   /* SILU_AND_MUL: the outputs are [gate | up] (halves of whole blocks); y [rows, out_dim / 2] */
 } gemv_args;
+
+/* act: SILU_AND_MUL runs each gate block with its up block (half the outputs later) and stores
+ * round(round(silu(g)) * u) of their rounded outputs (vec.h's silu_mul_row, cpu_ops.c's SiLU-and-mul kernel): the
+ * same bits as the GEMV then that kernel, without its pass over the step's [rows, 2 I] and while the weight
+ * streams (the activation's divisions overlap the memory-bound loop). */
+enum { NO_ACT = 0, SILU_AND_MUL = 1 };
 
 enum { NO_BF16_DOT = 3, WRONG_SHAPE = 4 };   /* after status.h's */
 #define NB 32                     /* outputs of one block */
+#define MOST_ROWS 32              /* a call's rows at most (the AMX path's; the fused activation's scratch) */
 #define MAX_ROWS 8                /* rows of one pass over a block (16 accumulators) */
 #define VECTOR_ROWS 4             /* up to which the vector path runs, the AMX one past it (when built) */
 #define PREFETCH_PAIRS 16         /* 2 KiB ahead; without it ~0.94x oneDNN at one row, with it 1.26x (8: the
@@ -48,8 +56,10 @@ static inline __m512 bias16(const gemv_args *a, int64_t o, __mmask16 m) {
     return _mm512_maskz_loadu_ps(m, (const float *)a->bias + o);
 }
 
-/* block b for rows [r0, r0 + NT); NT a literal at each call, so the row loops unroll */
-static inline __attribute__((always_inline)) void block(const gemv_args *a, int64_t b, int64_t r0, int NT) {
+/* block b for rows [r0, r0 + NT) into yb (its first output of row 0; row stride ys); NT a literal at each call, so
+ * the row loops unroll */
+static inline __attribute__((always_inline)) void block(const gemv_args *a, int64_t b, int64_t r0, int NT,
+                                                        uint16_t *yb, int64_t ys) {
     const uint16_t *wb = a->w + b * NB * a->in_padded;
     const int64_t pairs = a->in_dim / 2;
     const uint32_t *xr[MAX_ROWS];
@@ -72,29 +82,49 @@ static inline __attribute__((always_inline)) void block(const gemv_args *a, int6
     const __mmask16 m1 = n >= 32 ? 0xffff : n <= 16 ? 0 : (__mmask16)((1u << (n - 16)) - 1u);
     const __m512 b0 = bias16(a, o, m0), b1 = m1 ? bias16(a, o + 16, m1) : _mm512_setzero_ps();
     for (int t = 0; t < NT; t++) {
-        uint16_t *yr = a->y + (r0 + t) * a->y_stride + o;
+        uint16_t *yr = yb + (r0 + t) * ys;
         /* the instruction's conversion: round to nearest even, NaN kept */
         _mm256_mask_storeu_epi16(yr, m0, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(lo[t], b0)));
         if (m1) _mm256_mask_storeu_epi16(yr + 16, m1, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(hi[t], b1)));
     }
 }
 
+/* block b of every row into yb (row stride ys) */
+static void rows_block(const gemv_args *a, int64_t b, uint16_t *yb, int64_t ys) {
+    for (int64_t r = 0; r < a->rows; r += MAX_ROWS) {
+        switch (a->rows - r) {
+        case 1: block(a, b, r, 1, yb, ys); break;
+        case 2: block(a, b, r, 2, yb, ys); break;
+        case 3: block(a, b, r, 3, yb, ys); break;
+        case 4: block(a, b, r, 4, yb, ys); break;
+        case 5: block(a, b, r, 5, yb, ys); break;
+        case 6: block(a, b, r, 6, yb, ys); break;
+        case 7: block(a, b, r, 7, yb, ys); break;
+        default: block(a, b, r, 8, yb, ys); break;
+        }
+    }
+}
+
+/* SILU_AND_MUL's epilogue: gu [rows][2 NB] holds gate block b | up block b, rounded */
+static inline void silu_pair(const gemv_args *a, int64_t b, const uint16_t (*gu)[2 * NB]) {
+    for (int64_t r = 0; r < a->rows; r++) silu_mul_row_bf16(gu[r], NB, a->y + r * a->y_stride + b * NB);
+}
+
 static int gemv_vector(const gemv_args *a) {
+    if (a->act == SILU_AND_MUL) {
+        const int64_t pairs = a->out_dim / 2 / NB;
+        #pragma omp parallel for schedule(static) if (a->out_dim * a->in_dim > PARALLEL_MIN)
+        for (int64_t b = 0; b < pairs; b++) {
+            uint16_t gu[MOST_ROWS][2 * NB];
+            rows_block(a, b, &gu[0][0], 2 * NB);
+            rows_block(a, b + pairs, &gu[0][NB], 2 * NB);
+            silu_pair(a, b, gu);
+        }
+        return 0;
+    }
     const int64_t blocks = (a->out_dim + NB - 1) / NB;
     #pragma omp parallel for schedule(static) if (a->out_dim * a->in_dim > PARALLEL_MIN)
-    for (int64_t b = 0; b < blocks; b++)
-        for (int64_t r = 0; r < a->rows; r += MAX_ROWS) {
-            switch (a->rows - r) {
-            case 1: block(a, b, r, 1); break;
-            case 2: block(a, b, r, 2); break;
-            case 3: block(a, b, r, 3); break;
-            case 4: block(a, b, r, 4); break;
-            case 5: block(a, b, r, 5); break;
-            case 6: block(a, b, r, 6); break;
-            case 7: block(a, b, r, 7); break;
-            default: block(a, b, r, 8); break;
-            }
-        }
+    for (int64_t b = 0; b < blocks; b++) rows_block(a, b, a->y + b * NB, a->y_stride);
     return 0;
 }
 
@@ -127,8 +157,23 @@ static void amx_block(const gemv_args *a, const uint16_t *xp, int64_t b, float (
     amx_store_acc(&acc[0][0][0], two);
 }
 
+/* block b's accumulators (acc) into yb (its first output of row 0; row stride ys), the bias added */
+static inline void amx_store(const gemv_args *a, float (*acc)[16][16], int64_t b, uint16_t *yb, int64_t ys) {
+    const int64_t o = b * NB, n = a->out_dim - o < NB ? a->out_dim - o : NB;
+    const __mmask16 m0 = n >= 16 ? 0xffff : (__mmask16)((1u << n) - 1u);
+    const __mmask16 m1 = n >= 32 ? 0xffff : n <= 16 ? 0 : (__mmask16)((1u << (n - 16)) - 1u);
+    const __m512 b0 = bias16(a, o, m0), b1 = m1 ? bias16(a, o + 16, m1) : _mm512_setzero_ps();
+    for (int64_t r = 0; r < a->rows; r++) {
+        uint16_t *yr = yb + r * ys;
+        const int q = 2 * (int)(r >> 4);
+        _mm256_mask_storeu_epi16(yr, m0, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(acc[q][r & 15]), b0)));
+        if (m1) _mm256_mask_storeu_epi16(yr + 16, m1, (__m256i)_mm512_cvtneps_pbh(
+            _mm512_add_ps(_mm512_load_ps(acc[q + 1][r & 15]), b1)));
+    }
+}
+
 static int gemv_amx(const gemv_args *a) {
-    const int64_t groups = (a->rows + 15) / 16, blocks = (a->out_dim + NB - 1) / NB;
+    const int64_t groups = (a->rows + 15) / 16, blocks = (a->out_dim + NB - 1) / NB, pairs = a->out_dim / 2 / NB;
     uint16_t *xp = aligned_alloc(64, (size_t)(groups * 16 * a->in_padded * 2 + 63) / 64 * 64);
     if (!xp) return OUT_OF_MEMORY;
     memset(xp, 0, (size_t)groups * 16 * a->in_padded * 2);
@@ -137,20 +182,21 @@ static int gemv_amx(const gemv_args *a) {
     {
         amx_configure();
         float acc[4][16][16] __attribute__((aligned(64)));   /* C tile q: rows 16 (q >> 1) + t, outputs 16 (q & 1) */
-        #pragma omp for schedule(static)
-        for (int64_t b = 0; b < blocks; b++) {
-            amx_block(a, xp, b, acc);
-            const int64_t o = b * NB, n = a->out_dim - o < NB ? a->out_dim - o : NB;
-            const __mmask16 m0 = n >= 16 ? 0xffff : (__mmask16)((1u << n) - 1u);
-            const __mmask16 m1 = n >= 32 ? 0xffff : n <= 16 ? 0 : (__mmask16)((1u << (n - 16)) - 1u);
-            const __m512 b0 = bias16(a, o, m0), b1 = m1 ? bias16(a, o + 16, m1) : _mm512_setzero_ps();
-            for (int64_t r = 0; r < a->rows; r++) {
-                uint16_t *yr = a->y + r * a->y_stride + o;
-                const int q = 2 * (int)(r >> 4);
-                _mm256_mask_storeu_epi16(yr, m0, (__m256i)_mm512_cvtneps_pbh(
-                    _mm512_add_ps(_mm512_load_ps(acc[q][r & 15]), b0)));
-                if (m1) _mm256_mask_storeu_epi16(yr + 16, m1, (__m256i)_mm512_cvtneps_pbh(
-                    _mm512_add_ps(_mm512_load_ps(acc[q + 1][r & 15]), b1)));
+        if (a->act == SILU_AND_MUL) {
+            uint16_t gu[MOST_ROWS][2 * NB];
+            #pragma omp for schedule(static)
+            for (int64_t b = 0; b < pairs; b++) {
+                amx_block(a, xp, b, acc);
+                amx_store(a, acc, b, &gu[0][0], 2 * NB);
+                amx_block(a, xp, b + pairs, acc);
+                amx_store(a, acc, b + pairs, &gu[0][NB], 2 * NB);
+                silu_pair(a, b, gu);
+            }
+        } else {
+            #pragma omp for schedule(static)
+            for (int64_t b = 0; b < blocks; b++) {
+                amx_block(a, xp, b, acc);
+                amx_store(a, acc, b, a->y + b * NB, a->y_stride);
             }
         }
         _tile_release();
@@ -174,6 +220,8 @@ int gemv_max_rows(void) { return amx_ok ? AMX_ROWS : VECTOR_ROWS; }
 
 int gemv_bf16(const gemv_args *a) {
     if (a->in_dim % 2 || a->in_padded < a->in_dim || a->rows < 0 || a->out_dim <= 0) return WRONG_SHAPE;
+    if (a->act == SILU_AND_MUL && (a->out_dim % (2 * NB) || a->rows > MOST_ROWS)) return WRONG_SHAPE;
+    if (a->act != NO_ACT && a->act != SILU_AND_MUL) return WRONG_SHAPE;
     if (amx_ok && a->rows > VECTOR_ROWS && a->rows <= AMX_ROWS && a->in_padded % 32 == 0) return gemv_amx(a);
     return gemv_vector(a);
 }

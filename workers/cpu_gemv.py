@@ -1,6 +1,7 @@
 """A decode step's dense bf16 linears at up to 32 rows through cpu_gemv.c, on oneDNN's own packed weight.
 
-    loraserve::packed_gemv(x, weight, bias, in_padded) -> y      y = x @ W.T (+ bias), W the packed weight's matrix
+    loraserve::packed_gemv(x, weight, bias, in_padded, act=0) -> y      y = x @ W.T (+ bias), W the packed weight's matrix
+                                                                     act=SILU_AND_MUL: silu(gate) * up of y = [gate | up]
 
 prepack_linears (workers/parallel.py) reorders every linear weight once into oneDNN's blocked layout, which its AMX
 kernels need for prefill; `adopt` then checks, value for value in its first, a middle and its last 1024 outputs,
@@ -36,6 +37,7 @@ BLOCK = 32        # outputs of one block of the layout
 ENABLED = os.environ.get("LORASERVE_DENSE_GEMV", "1") != "0"
 OUT_OF_MEMORY = 1   # the kernel's nonzero returns (lora/status.h), the others a refused shape
 _CHECK_ROWS = 1024   # output rows of each chunk adopt compares (no full-size temporary)
+SILU_AND_MUL = 1     # gemv_args.act: the MLP's gate_up projection and its activation in one pass (cpu_gemv.c)
 
 
 class _Args(ctypes.Structure):
@@ -43,7 +45,7 @@ class _Args(ctypes.Structure):
     _fields_ = [("x", ctypes.c_void_p), ("x_stride", ctypes.c_int64), ("rows", ctypes.c_int64),
                 ("in_dim", ctypes.c_int64), ("w", ctypes.c_void_p), ("in_padded", ctypes.c_int64),
                 ("out_dim", ctypes.c_int64), ("bias", ctypes.c_void_p), ("bias_bf16", ctypes.c_int64),
-                ("y", ctypes.c_void_p), ("y_stride", ctypes.c_int64)]
+                ("y", ctypes.c_void_p), ("y_stride", ctypes.c_int64), ("act", ctypes.c_int64)]
 
 
 _load, available = native.library(SOURCE, {"gemv_bf16": [ctypes.c_void_p], "gemv_init": [], "gemv_max_rows": []},
@@ -109,27 +111,30 @@ def adopt(packed: torch.nn.Parameter, dense: torch.Tensor) -> bool:
     return layout is not None
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, in_padded: int) -> None:
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, in_padded: int, act: int = 0) -> None:
     out_dim, in_dim = weight.shape
     ok = (x.dtype == torch.bfloat16 and x.is_cpu and x.shape[-1] == in_dim and x.stride(-1) == 1
           and weight.dtype == torch.bfloat16 and in_dim % 2 == 0 and in_padded >= in_dim
           and (bias is None or (bias.dtype in (torch.bfloat16, torch.float32) and bias.numel() == out_dim
-                                and bias.is_contiguous())))
+                                and bias.is_contiguous()))
+          and act in (0, SILU_AND_MUL) and (not act or (takes_silu(weight) and x.numel() <= 32 * in_dim)))
     if not ok:
         operands = [None if t is None else (tuple(t.shape), t.dtype) for t in (x, weight, bias)]
-        raise ValueError(f"packed_gemv: x, weight, bias {operands}, in_padded {in_padded} (it needs bf16 x with "
-                         "unit column stride over the weight's even input, a bf16 / fp32 bias [out] or none)")
+        raise ValueError(f"packed_gemv: x, weight, bias {operands}, in_padded {in_padded}, act {act} (it needs bf16 "
+                         "x with unit column stride over the weight's even input, a bf16 / fp32 bias [out] or none; "
+                         "SiLU-and-mul: outputs of whole 64-blocks, 32 rows at most)")
 
 
-def _run(x: torch.Tensor, address: int, out_dim: int, in_padded: int, bias: torch.Tensor | None) -> torch.Tensor:
+def _run(x: torch.Tensor, address: int, out_dim: int, in_padded: int, bias: torch.Tensor | None,
+         act: int = 0) -> torch.Tensor:
     lib = _load()
     if lib is None:
         raise RuntimeError("the CPU GEMV kernel is not available (see lora/native.py's warning)")
     x2 = x.reshape(-1, x.shape[-1])
-    y = torch.empty(*x.shape[:-1], out_dim, dtype=x.dtype)
+    y = torch.empty(*x.shape[:-1], out_dim // 2 if act else out_dim, dtype=x.dtype)
     args = _Args(x2.data_ptr(), x2.stride(0), x2.shape[0], x2.shape[1], address, in_padded, out_dim,
                  None if bias is None else bias.data_ptr(), bias is not None and bias.dtype == torch.bfloat16,
-                 y.data_ptr(), out_dim)
+                 y.data_ptr(), y.shape[-1], act)
     native.call(lib.gemv_bf16, args, lambda status: _failed(status, x.shape, in_padded))
     return y
 
@@ -140,30 +145,36 @@ def _failed(status: int, shape, in_padded: int) -> None:
     raise ValueError(f"packed_gemv: the kernel refused x {tuple(shape)} over a weight of {in_padded} inputs")
 
 
-def _op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, in_padded: int) -> torch.Tensor:
-    _check(x, weight, bias, in_padded)
+def _op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, in_padded: int, act: int = 0) -> torch.Tensor:
+    _check(x, weight, bias, in_padded, act)
     if not weight.is_mkldnn:
         raise ValueError("packed_gemv: the weight must be oneDNN's packed tensor (prepack_linears)")
-    return _run(x, torch.ops.mkldnn.data_ptr(weight), weight.shape[0], in_padded, bias)
+    return _run(x, torch.ops.mkldnn.data_ptr(weight), weight.shape[0], in_padded, bias, act)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight.T (+ bias) for an adopted weight (`weight.gemv`); the caller sends at most max_rows() rows."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: int = 0) -> torch.Tensor:
+    """x @ weight.T (+ bias) for an adopted weight (`weight.gemv`), or with act=SILU_AND_MUL silu(gate) * up of it
+    (`takes_silu`); the caller sends at most max_rows() rows."""
     layout = weight.gemv
     if not native.eager():   # a capture's tape, FakeTensor mode, a torch.compile trace: the registered op
-        return torch.ops.loraserve.packed_gemv(x, weight, bias, layout.in_padded)
+        return torch.ops.loraserve.packed_gemv(x, weight, bias, layout.in_padded, act)
     if not (x.dtype == torch.bfloat16 and x.stride(-1) == 1 and x.shape[-1] == weight.shape[1]):
-        _check(x, weight, bias, layout.in_padded)   # raises, naming the operands
-    return _run(x, layout.address, weight.shape[0], layout.in_padded, bias)
+        _check(x, weight, bias, layout.in_padded, act)   # raises, naming the operands
+    return _run(x, layout.address, weight.shape[0], layout.in_padded, bias, act)
 
 
-def _fake(x, weight, bias, in_padded):
-    _check(x, weight, bias, in_padded)
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
+def takes_silu(weight: torch.Tensor) -> bool:
+    """Whether `linear(..., act=SILU_AND_MUL)` takes this adopted weight: [gate | up], halves of whole blocks."""
+    return weight.shape[0] % (2 * BLOCK) == 0
+
+
+def _fake(x, weight, bias, in_padded, act=0):
+    _check(x, weight, bias, in_padded, act)
+    return x.new_empty(*x.shape[:-1], weight.shape[0] // 2 if act else weight.shape[0])
 
 
 _LIB = torch.library.Library("loraserve", "FRAGMENT")   # beside the LoRA, attention, MoE and W8A8 ops
-_LIB.define("packed_gemv(Tensor x, Tensor weight, Tensor? bias, int in_padded) -> Tensor")
+_LIB.define("packed_gemv(Tensor x, Tensor weight, Tensor? bias, int in_padded, int act=0) -> Tensor")
 for _key in ("CPU", "MkldnnCPU"):   # the dispatcher keys a call by its weight, oneDNN's tensor
     _LIB.impl("packed_gemv", native.recordable(_op), _key)
 torch.library.register_fake("loraserve::packed_gemv", _fake, lib=_LIB)

@@ -38,6 +38,7 @@ projections only) never pay for the LM head. Eager steps skip exactly the groups
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -158,9 +159,10 @@ class GraphRunner:
         self.block_tables[:b, :width].copy_(torch.tensor(tables, dtype=torch.int64), non_blocking=True)
         return width
 
-    def decode(self, plan: StepPlan, lora: LoRABatchInfo | None, groups: frozenset[str] | None = None) -> torch.Tensor:
-        """Logits [num_seqs, vocab]; `lora` is the host-segment info used by the eager control path, `groups`
-        the LoRA groups the step's adapters fill (None: every group)."""
+    def decode(self, plan: StepPlan, lora: Callable[[], LoRABatchInfo | None] | None,
+               groups: frozenset[str] | None = None) -> torch.Tensor:
+        """Logits [num_seqs, vocab]; `lora` makes the host-segment info the eager control path uses (a step that
+        replays a graph does not), `groups` the LoRA groups the step's adapters fill (None: every group)."""
         B = plan.num_seqs
         b = self._bucket(B)
         if self.use_cpu_graphs and not self.tier(groups) and self.cpu_graphs.get(b, ()) is not None:
@@ -181,7 +183,7 @@ class GraphRunner:
                 graph, logits = self.graphs[key]
                 graph.replay()
                 return logits[:B]
-        lora = self._graph_lora(b, groups) if self.graph_safe else lora
+        lora = self._graph_lora(b, groups) if self.graph_safe else (lora() if lora is not None else None)
         return self.model(self._batch(b, width, lora), self.kv_cache)[:B]
 
     def _cpu_batch(self, b: int) -> ForwardBatch:

@@ -69,6 +69,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def linear_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """silu(gate) * up of linear(x, weight, bias) = [gate | up] in one pass where cpu_gemv.c runs it (see
+    `linear`), else None (the caller runs the linear and the activation)."""
+    if (weight.is_mkldnn and hasattr(weight, "gemv") and x.dtype == torch.bfloat16 and cpu_gemv.ENABLED
+            and x.numel() <= cpu_gemv.max_rows() * x.shape[-1] and cpu_gemv.takes_silu(weight)):
+        return cpu_gemv.linear(x, weight, bias, cpu_gemv.SILU_AND_MUL)
+    return None
+
+
 PACK_BATCH_HINT = 32   # measured (bench shape, 2 cores): the best layout for M = 1 .. 256 alike
 
 

@@ -229,9 +229,9 @@ class ModelRunner:
 
     def _decode(self, plan: StepPlan) -> torch.Tensor:
         # The graph-safe path reads its own static slot buffer; only the eager path needs host segments.
-        host_lora = None if self.graph_runner.graph_safe else self._lora_info(plan.lora_slots, "decode")
+        host_lora = partial(self._lora_info, plan.lora_slots, "decode")
         groups = None if self.slot_pool is None else self.slot_pool.groups_of(plan.lora_slots)
-        return self.graph_runner.decode(plan, host_lora, groups)
+        return self.graph_runner.decode(plan, None if self.graph_runner.graph_safe else host_lora, groups)
 
     def _lora_info(self, token_slots: list[int], phase: str = "prefill"):
         """Only the groups that the step's adapters target run (the others would add zeros)."""

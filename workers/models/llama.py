@@ -16,7 +16,7 @@ from workers.forward_batch import ForwardBatch
 from workers.kv_cache import paged_attention, write_kv
 from workers.models.rope import RotaryEmbedding
 from workers.parallel import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RowParallelLinear,
-                              TPGroup, VocabParallelEmbedding)
+                              TPGroup, VocabParallelEmbedding, linear_silu)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
@@ -99,6 +99,10 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        if batch.lora is None:   # no adapter adds to gate_up's output: the activation can run in its GEMV's pass
+            fused = linear_silu(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
+            if fused is not None:
+                return self.down_proj(fused, None)
         return self.down_proj(self.act(self.gate_up_proj(x, batch.lora)), batch.lora)
 
     @staticmethod
