@@ -55,7 +55,7 @@ MORE_HELP = {
     "max_lora_rank": "the largest adapter rank accepted; device slots are padded to it",
     "lora_target_modules": "modules that get LoRA buffers (default all); an adapter targeting another is refused when "
                            "it loads, naming the module",
-    "enforce_eager": "no captured decode graphs on CUDA / NPU",
+    "enforce_eager": "no captured decode graphs (CUDA / NPU; the CPU's kernel programs)",
     "graph_batch_sizes": "the batch buckets of captured decode",
 }
 

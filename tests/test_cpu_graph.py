@@ -30,16 +30,22 @@ def _same(a, b) -> None:
 
 
 @pytest.mark.skipif(not cpu_gemv.available(), reason="the bf16 linears are oneDNN's without the GEMV kernel")
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
-def test_a_step_without_adapters_replays_the_eager_steps_kernels(model_dir, arch):
+@pytest.mark.parametrize("arch,num_prompts", [("qwen3", 3), ("llama", 3), ("qwen3", 6)])
+def test_a_step_without_adapters_replays_the_eager_steps_kernels(model_dir, arch, num_prompts):
+    """Three sequences: the bucket of 4 (the GEMV's vector path), its padded row written to the scratch block; six:
+    the bucket of 8 (AMX tiles where Linux lends them)."""
     path = str(model_dir(arch))
-    graphed, graphs = _generate(path)
-    eager, none = _generate(path, enforce_eager=True)
+    graphed, graphs = _generate(path, PROMPTS[:num_prompts])
+    eager, none = _generate(path, PROMPTS[:num_prompts], enforce_eager=True)
     _same(graphed, eager)
     assert none == {}
-    graph, logits = graphs[4]   # three sequences: the bucket of 4, its padded row written to the scratch block
-    layers = 2
-    assert graph.num_kernel_calls >= 8 * layers and graph.num_torch_ops <= 4 and logits.shape[0] == 4
+    bucket = 4 if num_prompts == 3 else 8
+    if bucket > cpu_gemv.max_rows():   # oneDNN's linears: torch ops in every layer, the bucket stays eager
+        assert graphs == {bucket: None}
+        return
+    graph, logits = graphs[bucket]
+    layers = 2   # each: two norms, q/k rope, attention, four GEMVs (gate_up with its SiLU-and-mul)
+    assert graph.num_kernel_calls == 8 * layers + 2 and graph.num_torch_ops == 1 and logits.shape[0] == bucket
 
 
 def test_steps_with_an_adapter_run_eagerly_and_the_others_replay(model_dir, tmp_path):

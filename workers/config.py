@@ -71,7 +71,8 @@ class EngineConfig:
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     graph_safe_decode: bool | None = None       # LoRA/attention graph-safe ops in decode; default: when capturing
     # CPU: decode "captured" as an op tape replayed on the static buffers (workers/tape_graph.py), as a device
-    # graph would be (width buckets, fallback, no host read): for tests and benchmarks; off = eager on the CPU
+    # graph would be (width buckets, fallback, no host read): for tests and benchmarks; off = the CPU's kernel
+    # programs (workers/cpu_graph.py) for steps without adapters, eager otherwise
     emulate_capture: bool = False
 
     @property
