@@ -51,7 +51,8 @@ def timed_parts(totals: dict):
     # Every backend binds each wrapped layer's op once, at start, as a LayerLoRA (lora/backends/base.py): its
     # call is where a step's LoRA maths runs, whatever backend and kernel (patching lora.ops' functions missed
     # the ops already bound: they reported 0).
-    patches = [(parallel, "linear", "base_linear"), (llama, "paged_attention", "attention"),
+    patches = [(parallel, "linear", "base_linear"), (llama, "linear_silu", "base_linear"),   # gate_up + SiLU fused
+               (llama, "paged_attention", "attention"),
                (LayerLoRA, "__call__", "lora"), (runner, "sample", "sampling"),
                (llama.RMSNorm, "forward", "elementwise"), (llama.RMSNorm, "add_and_norm", "elementwise"),
                (llama.Attention, "attention_inputs", "elementwise"), (llama.MLP, "act", "elementwise"),

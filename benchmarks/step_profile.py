@@ -10,7 +10,8 @@ costs the LoRA-enabled engine is the difference), all three eager (GraphRunner.u
 (the engine as it serves: LoRA enabled, kernels on, a step without adapters replaying its CPU graph,
 workers/cpu_graph.py; its gemm, attention and elementwise parts are the kernels' own times, taken inside the
 replay by cpu_program.c). Parts are wall-clock accumulators on the hot functions
-(benchmarks.profile_decode.timed_parts): gemm (every base linear, LM head included), attention, lora, sampling,
+(benchmarks.profile_decode.timed_parts): gemm (every base linear, LM head included; where the MLP's SiLU-and-mul runs
+in its gate_up GEMV, that too), attention, lora, sampling,
 and "other" = the rest of the step, split into elementwise (norms, rope + KV write, SiLU-and-mul), model_rest
 (embedding, residual adds, the forward's Python and its input buffers) and host (scheduling, step bookkeeping,
 detokenization: the step outside the forward and the sampler). The step-time ratios come from a plain run of

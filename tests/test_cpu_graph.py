@@ -112,3 +112,24 @@ def test_a_host_read_while_capturing_raises():
     x = torch.randn(4)
     with pytest.raises(tape_graph.CaptureError):
         _capture(lambda: x.sum().item())
+
+
+@pytest.mark.skipif(not cpu_gemv.available(), reason="the bf16 linears are oneDNN's without the GEMV kernel")
+def test_the_replayed_steps_agree_with_transformers(model_dir):
+    """The oracle: Hugging Face's model in bf16 scores the tokens the replayed steps chose (teacher-forced); each
+    token's logprob agrees within bf16's rounding of the two computations' different orders."""
+    from transformers import AutoModelForCausalLM
+
+    path = model_dir("qwen3")
+    out, graphs = _generate(str(path), PROMPTS[:3])
+    assert graphs[4] is not None
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    worst = 0.0
+    for o in out:
+        ids = o.prompt_token_ids + o.token_ids
+        with torch.no_grad():
+            logprobs = hf(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+        n = len(o.prompt_token_ids)
+        want = [logprobs[n - 1 + i, t].item() for i, t in enumerate(o.token_ids)]
+        worst = max(worst, *(abs(a - b) for a, b in zip(o.logprobs, want, strict=True)))
+    assert worst < 0.05, worst

@@ -1,16 +1,17 @@
 """Decode on the CPU captured as kernel programs: the step's C kernel calls replayed back to back from C.
 
 An eager CPU decode step spends ~3 ms of Python around its kernels (the bench checkpoint, 8 layers, 74 kernel
-calls: 15 ms a step at batch 1 whose kernels alone run in 12, 19 of 16 at batch 32; results/cpu_graph.md). As
-a device graph does, a `CPUGraph` captures one forward on the GraphRunner's static buffers and replays it:
+calls, 2 threads: a forward of ~15 ms at batch 1 whose kernel calls alone run in ~12, ~19 of ~16 at batch 32;
+benchmarks/RESULTS.md, eleventh session). As a device graph does, a `CPUGraph` captures one forward on the
+GraphRunner's static buffers and replays it:
 
 - a captured op of ours (loraserve::*) whose implementation runs nothing but its kernels (allocations, views and
   `native.call`s; `native.recordable` watches it) becomes its kernel calls: each call's function and argument
   struct are fixed for the bucket (the inputs are the static buffers, the weights, the KV cache; the outputs
   were allocated at capture and are kept), so a run of consecutive calls replays as one `run_program` call
   (workers/cpu_program.c);
-- every other op (the embedding, the last norm's row gather, a linear oneDNN runs, an op with torch work
-  inside) is replayed by the dispatcher as workers/tape_graph.py does, on the same tensors.
+- every other op (the embedding; a linear oneDNN runs, an op with torch work inside) is replayed by the
+  dispatcher as workers/tape_graph.py does, on the same tensors.
 
 The rules of tape_graph hold: a host read during capture raises CaptureError, shapes and Python control flow
 are frozen at capture. A kernel's nonzero status on replay raises the error its eager call raises.

@@ -52,8 +52,8 @@ from workers.plan import StepPlan
 logger = logging.getLogger(__name__)
 
 MIN_GRAPH_WIDTH = 4   # blocks: a narrower graph saves nothing worth its capture (64 tokens at block size 16)
-# A CPU graph is kept where every layer is our kernels alone: a bf16 dense step's torch ops are its embedding and
-# the last norm's row gather and add (4), whatever its depth. Where a layer runs torch ops (fp32 or more rows than
+# A CPU graph is kept where every layer is our kernels alone: a bf16 dense step's one torch op is its embedding,
+# whatever its depth. Where a layer runs torch ops (fp32 or more rows than
 # cpu_gemv takes: oneDNN's linears; MoE routing; W8A8) the step stays eager, as measured before the graphs, and
 # padded rows never reach oneDNN (its bits depend on the batch).
 MAX_CPU_GRAPH_TORCH_OPS = 8
