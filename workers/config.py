@@ -72,7 +72,7 @@ class EngineConfig:
     graph_safe_decode: bool | None = None       # LoRA/attention graph-safe ops in decode; default: when capturing
     # CPU: decode "captured" as an op tape replayed on the static buffers (workers/tape_graph.py), as a device
     # graph would be (width buckets, fallback, no host read): for tests and benchmarks; off = the CPU's kernel
-    # programs (workers/cpu_graph.py) for steps without adapters, eager otherwise
+    # programs (workers/cpu_graph.py) where they apply, eager otherwise
     emulate_capture: bool = False
 
     @property

@@ -15,8 +15,8 @@ GraphRunner's static buffers and replays it:
 
 The rules of tape_graph hold: a host read during capture raises CaptureError, shapes and Python control flow
 are frozen at capture. A kernel's nonzero status on replay raises the error its eager call raises.
-GraphRunner (graph_runner.py) captures one per batch bucket, lazily, for steps without adapters at TP 1; the
-steps it does not cover (adapters, prefill, TP > 1, `enforce_eager`) run eagerly as before.
+GraphRunner (graph_runner.py) captures one per (batch bucket, LoRA tier), lazily, at TP 1; the steps it does
+not cover (prefill, TP > 1, `enforce_eager`, models whose layers run torch ops) run eagerly as before.
 """
 from __future__ import annotations
 

@@ -21,11 +21,13 @@ A graph whose capture fails (ACL graph stream limits, an old driver, an op that 
 need HCCL's AIV expansion: set `HCCL_OP_EXPANSION_MODE=AIV` in the workers' environment, or the all-reduce
 capture fails (and its buckets then run eagerly).
 
-On the CPU without the emulation a step with no adapter replays a kernel program (workers/cpu_graph.py: the
-step's C kernel calls back to back from C, no Python between them), one per batch bucket, captured on its
-first use; it reads the full-width block table (the attention kernel walks each sequence's own blocks only).
-Steps with adapters run eagerly on the same static buffers (trimming the block table to the widest sequence,
-which only an eager run can do), as does everything when the CPU graphs are off (`enforce_eager`, TP > 1).
+On the CPU without the emulation a decode step replays a kernel program (workers/cpu_graph.py: the step's C
+kernel calls back to back from C, no Python between them), one per (batch bucket, LoRA tier), captured on its
+first use; it reads the full-width block table (the attention kernel walks each sequence's own blocks only) and,
+with adapters, each row's LoRA slot from the static slot buffer (the LoRA kernel's per-token entry). A (bucket,
+tier) whose capture fails or whose layers run torch ops runs eagerly on the same static buffers (trimming the
+block table to the widest sequence, which only an eager run can do), as does everything when the CPU graphs are
+off (`enforce_eager`, TP > 1).
 
 LoRA: a module that no adapter of the step targets would add only zeros (embed_tokens and lm_head, in the
 default targets, read vocab x rank weights per adapter for that). A graph replays a fixed
@@ -66,6 +68,10 @@ def lora_tiers(groups: frozenset[str] | None) -> tuple[frozenset[str] | None, ..
         return (None,)
     per_layer = frozenset(g for g in groups if GROUPS[g].path is not None)
     return tuple(dict.fromkeys((frozenset(), per_layer, groups)))
+
+
+def _groups(tier: frozenset[str] | None) -> str:
+    return "none" if not tier else ", ".join(sorted(tier))
 
 
 def width_buckets(max_blocks: int, smallest: int = MIN_GRAPH_WIDTH) -> tuple[int, ...]:
@@ -111,10 +117,10 @@ class GraphRunner:
         else:
             self._new_graph, self._graph_context = platform.graph, platform.graph_context
         self.lazy = self.emulated
-        # batch bucket -> (CPUGraph, logits), None where that bucket runs eagerly (its capture failed)
+        # (batch bucket, LoRA tier) -> (CPUGraph, logits), None where it runs eagerly (its capture failed)
         self.use_cpu_graphs = (platform.name == "cpu" and not config.enforce_eager and not self.emulated
                                and tp_size == 1 and cpu_graph.available())   # TP: its collectives are no ops
-        self.cpu_graphs: dict[int, tuple[cpu_graph.CPUGraph, torch.Tensor] | None] = {}
+        self.cpu_graphs: dict[tuple[int, frozenset | None], tuple[cpu_graph.CPUGraph, torch.Tensor] | None] = {}
         if capture and not self.lazy:
             self._capture_all()
 
@@ -165,12 +171,13 @@ class GraphRunner:
         replays a graph does not), `groups` the LoRA groups the step's adapters fill (None: every group)."""
         B = plan.num_seqs
         b = self._bucket(B)
-        if self.use_cpu_graphs and not self.tier(groups) and self.cpu_graphs.get(b, ()) is not None:
+        cpu_key = (b, self.tier(groups))
+        if self.use_cpu_graphs and self.cpu_graphs.get(cpu_key, ()) is not None:
             self._fill(plan, b, zero_tables=False)   # () above: not tried yet; None: its capture failed
-            if b not in self.cpu_graphs:
-                self.cpu_graphs[b] = self._capture_cpu(b)
-            if self.cpu_graphs[b] is not None:
-                graph, logits = self.cpu_graphs[b]
+            if cpu_key not in self.cpu_graphs:
+                self.cpu_graphs[cpu_key] = self._capture_cpu(*cpu_key)
+            if self.cpu_graphs[cpu_key] is not None:
+                graph, logits = self.cpu_graphs[cpu_key]
                 graph.replay()
                 return logits[:B]
         b = b if (self.capture or self.graph_safe) else B
@@ -186,17 +193,19 @@ class GraphRunner:
         lora = self._graph_lora(b, groups) if self.graph_safe else (lora() if lora is not None else None)
         return self.model(self._batch(b, width, lora), self.kv_cache)[:B]
 
-    def _cpu_batch(self, b: int) -> ForwardBatch:
-        """The static buffers' first b rows at full width, for the C kernels (no LoRA: steps without adapters)."""
+    def _cpu_batch(self, b: int, tier: frozenset[str] | None) -> ForwardBatch:
+        """The static buffers' first b rows at full width, for the C kernels: attention reads the tables in place,
+        LoRA (the tier's groups; none: no LoRA code at all) each row's slot from the static slot buffer."""
+        lora = self._graph_lora(b, tier) if tier else None
         return ForwardBatch(input_ids=self.input_ids[:b], positions=self.positions[:b],
                             slot_mapping=self.slot_mapping[:b], logits_indices=self.logits_indices[:b],
                             num_decode_tokens=b, block_tables=self.block_tables[:b], context_lens=self.context_lens[:b],
-                            lora=None, lm_lora=None, graph_safe=False, all_rows_logits=True)
+                            lora=lora, lm_lora=lora, graph_safe=False, all_rows_logits=True)
 
-    def _capture_cpu(self, b: int) -> tuple[cpu_graph.CPUGraph, torch.Tensor] | None:
-        """Batch bucket b's kernel program on the static buffers as they are (this step's), or None: the bucket
-        then runs eagerly (said once in the log)."""
-        batch = self._cpu_batch(b)
+    def _capture_cpu(self, b: int, tier: frozenset[str] | None) -> tuple[cpu_graph.CPUGraph, torch.Tensor] | None:
+        """Batch bucket b's kernel program with LoRA tier `tier` on the static buffers as they are (this step's), or
+        None: that (bucket, tier) then runs eagerly (said once in the log)."""
+        batch = self._cpu_batch(b, tier)
         try:
             with torch.inference_mode():
                 self.model(batch, self.kv_cache)   # warm-up: lazy initialisation must not happen while capturing
@@ -204,12 +213,12 @@ class GraphRunner:
                 with cpu_graph.graph(graph):
                     logits = self.model(batch, self.kv_cache)
         except Exception as e:   # noqa: BLE001: the eager path is the same maths, a failed capture only costs speed
-            logger.info("CPU decode graph for batch bucket %d not captured, that bucket runs eagerly: %s: %s", b,
-                        type(e).__name__, e)
+            logger.info("CPU decode graph for batch bucket %d, LoRA groups %s not captured, it runs eagerly: %s: %s",
+                        b, _groups(tier), type(e).__name__, e)
             return None
         if graph.num_torch_ops > MAX_CPU_GRAPH_TORCH_OPS:
-            logger.info("CPU decode graph for batch bucket %d: %d torch ops beside %d kernel calls; that bucket runs "
-                        "eagerly", b, graph.num_torch_ops, graph.num_kernel_calls)
+            logger.info("CPU decode graph for batch bucket %d, LoRA groups %s: %d torch ops beside %d kernel calls; "
+                        "it runs eagerly", b, _groups(tier), graph.num_torch_ops, graph.num_kernel_calls)
             return None
         return graph, logits
 

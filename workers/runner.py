@@ -1,7 +1,7 @@
 """ModelRunner: one device's model shard, KV cache, LoRA slots; executes StepPlans.
 
-A pure decode step goes through the GraphRunner (captured on CUDA / NPU; on the CPU a step without adapters
-replays its kernel program); every other step (prefill chunks, with or without decodes beside them) runs eagerly.
+A pure decode step goes through the GraphRunner (captured on CUDA / NPU; on the CPU its kernel program); every
+other step (prefill chunks, with or without decodes beside them) runs eagerly.
 """
 from __future__ import annotations
 

@@ -118,5 +118,11 @@ static int by_token(int (*add)(const sgmv_args *, int64_t), const sgmv_args *arg
     return status;
 }
 
-int bgmv_add_bf16(const sgmv_args *args, const int64_t *token_slots) { return by_token(add_bf16, args, token_slots); }
-int bgmv_add_f32(const sgmv_args *args, const int64_t *token_slots) { return by_token(add_f32, args, token_slots); }
+/* The graph phase's entry takes one argument struct (the arguments and the step's token slots), as every kernel a
+ * CPU decode graph's program calls (workers/cpu_program.c). */
+typedef struct {
+    sgmv_args args;
+    const int64_t *token_slots;
+} bgmv_call;
+int bgmv_add_bf16(const bgmv_call *p) { return by_token(add_bf16, &p->args, p->token_slots); }
+int bgmv_add_f32(const bgmv_call *p) { return by_token(add_f32, &p->args, p->token_slots); }

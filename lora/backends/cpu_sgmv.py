@@ -26,7 +26,7 @@ _SYMBOLS = {torch.bfloat16: ("sgmv_add_bf16", "bgmv_add_bf16"), torch.float32: (
 OUT_OF_MEMORY, OUT_OF_RANGE = 1, 2   # the kernel's nonzero returns
 
 
-_ARGTYPES = {"sgmv": [ctypes.c_void_p, ctypes.c_int64], "bgmv": [ctypes.c_void_p, ctypes.c_void_p]}
+_ARGTYPES = {"sgmv": [ctypes.c_void_p, ctypes.c_int64], "bgmv": [ctypes.c_void_p]}
 _load, available = native.library(SOURCE, {name: _ARGTYPES[name[:4]] for names in _SYMBOLS.values() for name in names})
 
 
@@ -45,6 +45,17 @@ class _Args(ctypes.Structure):
                 ("group_slot", ctypes.c_void_p), ("group_rank", ctypes.c_void_p), ("group_start", ctypes.c_void_p),
                 ("rows", ctypes.c_void_p), ("num_rows", ctypes.c_int64), ("num_slots", ctypes.c_int64),
                 ("num_indices", ctypes.c_int64), ("a_shared", ctypes.c_void_p)]
+
+
+class _BgmvCall(ctypes.Structure):
+    """bgmv_call of cpu_sgmv.c: the arguments and the token slots."""
+    _fields_ = [("args", _Args), ("token_slots", ctypes.c_void_p)]
+
+
+def _failed(status: int) -> None:
+    if status == OUT_OF_MEMORY:
+        raise MemoryError("CPU LoRA kernel: out of memory for its scratch buffers")
+    raise ValueError("LoRA groups index past the batch, the slots or the rank")
 
 
 def _check(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: Sequence[torch.Tensor], offsets: Sequence[int]):
@@ -85,11 +96,15 @@ def _call(index: int, y, x, a, b, offsets, index_tensor: torch.Tensor, pointers:
     args = _Args(x.data_ptr(), x.stride(0), a.shape[2], a.data_ptr(), a.stride(0), stack, b[0].shape[2], base,
                  base + 8 * stack, base + 16 * stack, y.data_ptr(), y.stride(0), *pointers, x.shape[0], a.shape[0],
                  num_indices, 0)
-    status = getattr(lib, _SYMBOLS[x.dtype][index])(ctypes.addressof(args), extra)
-    if status == OUT_OF_MEMORY:
-        raise MemoryError("CPU LoRA kernel: out of memory for its scratch buffers")
-    if status != 0:
-        raise ValueError("LoRA groups index past the batch, the slots or the rank")
+    fn = getattr(lib, _SYMBOLS[x.dtype][index])
+    if index == 1:   # bgmv: one struct, recorded by a CPU decode graph's capture (lora/native.py)
+        call = _BgmvCall(args, extra)
+        call.slices = slices   # what b, out_dims and y_offsets point into, alive as long as the record
+        native.call(fn, call, _failed)
+        return
+    status = fn(ctypes.addressof(args), extra)
+    if status:
+        _failed(status)
 
 
 def _sgmv_add(y, x, a, b, offsets, groups, num_groups: int) -> None:
@@ -110,7 +125,7 @@ _LIB = torch.library.Library("loraserve", "FRAGMENT")   # workers/cpu_attention.
 _LIB.define("sgmv_add(Tensor(a!) y, Tensor x, Tensor a, Tensor[] b, int[] offsets, Tensor groups, int num_groups) -> ()")
 _LIB.define("bgmv_add(Tensor(a!) y, Tensor x, Tensor a, Tensor[] b, int[] offsets, Tensor token_slots) -> ()")
 _LIB.impl("sgmv_add", _sgmv_add, "CPU")
-_LIB.impl("bgmv_add", _bgmv_add, "CPU")
+_LIB.impl("bgmv_add", native.recordable(_bgmv_add), "CPU")
 torch.library.register_fake("loraserve::sgmv_add", lambda y, x, a, b, offsets, groups, n: _check(y, x, a, b, offsets),
                             lib=_LIB)
 torch.library.register_fake("loraserve::bgmv_add", lambda y, x, a, b, offsets, slots: _check(y, x, a, b, offsets),
