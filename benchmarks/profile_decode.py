@@ -7,7 +7,8 @@ synchronous, so this is exact up to the wrapper's own ~1 us per call) and runs t
 same batch under three workloads. "base_linear" is every base layer's matmul
 (workers.parallel.linear: oneDNN with prepacked weights on the CPU; the LM head included);
 "other" is the rest of the step (norms, rope, activations, KV writes, input building,
-scheduling, detokenization).
+scheduling, detokenization). A step that replays a CPU decode graph (workers/cpu_graph.py) runs
+none of those functions: its kernels' own times, taken inside the replay, go to the same parts.
 """
 from __future__ import annotations
 
@@ -70,6 +71,34 @@ def timed_parts(totals: dict):
             setattr(owner, name, fn)
 
 
+# a CPU graph's kernels (by symbol) -> the part they time (timed_parts' Python wrappers do not run in a replay)
+GRAPH_PARTS = {"gemv_bf16": "base_linear", "decode_attention_bf16": "attention", "decode_attention_f32": "attention",
+               "bgmv_add_bf16": "lora", "bgmv_add_f32": "lora",
+               "rms_norm_bf16": "elementwise", "rms_norm_f32": "elementwise", "silu_and_mul_bf16": "elementwise",
+               "silu_and_mul_f32": "elementwise", "qkv_rope_bf16": "elementwise", "qkv_rope_f32": "elementwise"}
+
+
+@contextmanager
+def timed_graphs(engine, totals: dict):
+    """The kernel time of the engine's CPU decode graphs replayed inside (workers/cpu_graph.py), added to
+    totals[part] on exit for the parts named in totals (decode steps only: prefill never replays a graph)."""
+    from workers import cpu_graph
+
+    def graphs():
+        return [entry[0] for entry in engine.executor.runner.graph_runner.cpu_graphs.values() if entry is not None]
+    for graph in graphs():
+        graph.reset_times()
+    cpu_graph.PROFILE = True
+    try:
+        yield totals
+    finally:
+        cpu_graph.PROFILE = False
+        for graph in graphs():
+            for symbol, seconds in graph.kernel_seconds().items():
+                if GRAPH_PARTS[symbol] in totals:
+                    totals[GRAPH_PARTS[symbol]] += seconds
+
+
 def run(sizes: Sizes = FULL, dtype: str = "bfloat16", workloads=("base", "one", "eight"), log=print) -> dict:
     set_threads(sizes.threads)
     engine = make_engine(build_checkpoint(dtype, sizes.shape), dtype, sizes)
@@ -85,7 +114,7 @@ def run(sizes: Sizes = FULL, dtype: str = "bfloat16", workloads=("base", "one", 
         # by running the batch to its end and subtracting the prefill step's parts.
         totals = dict.fromkeys(PARTS, 0.0)
         prefill = dict.fromkeys(PARTS, 0.0)
-        with timed_parts(totals):
+        with timed_parts(totals), timed_graphs(engine, totals):
             timing = run_requests_split(engine, prompts, adapters, sizes.max_tokens, totals, prefill)
         steps = timing.decode_steps
         parts = {p: (totals[p] - prefill[p]) / steps * 1e3 for p in PARTS}

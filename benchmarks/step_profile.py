@@ -34,34 +34,17 @@ from benchmarks import bandwidth
 from benchmarks.checkpoint import build_checkpoint
 from benchmarks.common import (FULL, RESULTS, Sizes, as_engine_process, machine_info, make_engine, make_prompts,
                                run_requests, set_threads, sizes_dict, sizes_from_json, write_result)
-from benchmarks.profile_decode import run_requests_split, timed_parts
+from benchmarks.profile_decode import run_requests_split, timed_graphs, timed_parts
 
 TIMED = ("base_linear", "attention", "lora", "sampling", "elementwise", "forward")
 # (name, LoRA enabled, cpu_ops kernels, CPU decode graphs)
 VARIANTS = (("torch", True, False, False), ("kernels", True, True, False), ("kernels_lora_off", False, True, False),
             ("graphs", True, True, True))
-# a CPU graph's kernels (by symbol) -> the part they time (the Python wrappers of timed_parts do not run on replay)
-GRAPH_PARTS = {"gemv_bf16": "base_linear", "decode_attention_bf16": "attention", "decode_attention_f32": "attention",
-               "rms_norm_bf16": "elementwise", "rms_norm_f32": "elementwise", "silu_and_mul_bf16": "elementwise",
-               "silu_and_mul_f32": "elementwise", "qkv_rope_bf16": "elementwise", "qkv_rope_f32": "elementwise"}
-
-
-def _cpu_graphs(engine) -> list:
-    return [entry[0] for entry in engine.executor.runner.graph_runner.cpu_graphs.values() if entry is not None]
-
-
 def measure(engine, prompts, sizes: Sizes) -> dict:
     """One run of the batch to its end: ms per decode step, by part."""
     totals, prefill = dict.fromkeys(TIMED, 0.0), dict.fromkeys(TIMED, 0.0)
-    for graph in _cpu_graphs(engine):
-        graph.timed = True
-        graph.reset_times()
-    with timed_parts(totals):
+    with timed_parts(totals), timed_graphs(engine, totals):
         timing = run_requests_split(engine, prompts, [None] * len(prompts), sizes.max_tokens, totals, prefill)
-    for graph in _cpu_graphs(engine):   # replayed in decode steps only: nothing of it is prefill's
-        graph.timed = False
-        for symbol, seconds in graph.kernel_seconds().items():
-            totals[GRAPH_PARTS[symbol]] += seconds
     ms = {p: (totals[p] - prefill[p]) / timing.decode_steps * 1e3 for p in TIMED}
     step = timing.decode_s / timing.decode_steps * 1e3
     parts = {"gemm": ms["base_linear"], "attention": ms["attention"], "lora": ms["lora"], "sampling": ms["sampling"]}

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from tests.factories import PROMPTS, make_adapter
+from tests.moe_factories import make_moe_model
 from workers import EngineConfig, LLMEngine, SamplingParams, cpu_gemv, cpu_graph, cpu_ops, tape_graph
 
 pytestmark = pytest.mark.skipif(not (cpu_graph.available() and cpu_ops.available()), reason="needs a C compiler")
@@ -46,8 +47,8 @@ def test_a_step_without_adapters_replays_the_eager_steps_kernels(model_dir, arch
     _same(graphed, eager)
     assert none == {}
     bucket = 4 if num_prompts == 3 else 8
-    if bucket > cpu_gemv.max_rows():   # oneDNN's linears: torch ops in every layer, the bucket stays eager
-        assert len(graphs) == 1 and _base(graphs, bucket) is None
+    if bucket > cpu_gemv.max_rows():   # oneDNN's linears (no AMX): not captured, the bucket stays eager
+        assert graphs == {}
         return
     graph, logits = _base(graphs, bucket)
     layers = 2   # each: two norms, q/k rope, attention, four GEMVs (gate_up with its SiLU-and-mul)
@@ -69,12 +70,17 @@ def test_steps_with_adapters_replay_their_lora_tiers_graph(model_dir, tmp_path):
         assert bucket == 4 and bool(tier) == any(names) and graphs[bucket, tier] is not None
 
 
-def test_a_step_of_mostly_torch_ops_keeps_its_eager_step(model_dir):
-    """fp32: the linears are oneDNN's, torch ops in a replay; the bucket is tried once, then runs eagerly as before."""
+def test_steps_of_torch_ops_keep_their_eager_step(model_dir, tmp_path):
+    """fp32 (oneDNN's linears) is not captured; a bf16 MoE step (routing and experts on torch ops) is captured once,
+    found to run torch ops in every layer, and stays eager: both as they were before the graphs."""
     path = str(model_dir("qwen3"))
     graphed, graphs = _generate(path, dtype="float32")
-    assert len(graphs) == 1 and _base(graphs, 4) is None
+    assert graphs == {}
     _same(graphed, _generate(path, dtype="float32", enforce_eager=True)[0])
+    moe = str(make_moe_model(tmp_path / "moe"))
+    graphed, graphs = _generate(moe)
+    assert len(graphs) == 1 and _base(graphs, 4) is None
+    _same(graphed, _generate(moe, enforce_eager=True)[0])
 
 
 def _capture(fn):
@@ -96,7 +102,7 @@ def test_an_op_with_torch_work_inside_replays_through_the_dispatcher():
     assert torch.equal(a, cpu_ops.rms_norm(plain, w, 1e-6)) and torch.equal(b, cpu_ops.rms_norm(strided, w, 1e-6))
 
 
-def test_a_replay_raises_the_kernels_own_error_and_times_its_calls():
+def test_a_replay_raises_the_kernels_own_error_and_times_its_calls(monkeypatch):
     qkv, positions = torch.randn(2, 4 * 16).bfloat16(), torch.tensor([3, 5])
     cos, sin = torch.randn(8, 16).bfloat16(), torch.randn(8, 16).bfloat16()
     k_cache = torch.zeros(1, 4, 4, 16, dtype=torch.bfloat16)
@@ -105,7 +111,7 @@ def test_a_replay_raises_the_kernels_own_error_and_times_its_calls():
                                                       v_cache, slots))
     assert graph.num_kernel_calls == 1 and graph.num_torch_ops == 0
     qkv.copy_(torch.randn(2, 4 * 16).bfloat16())
-    graph.timed = True
+    monkeypatch.setattr(cpu_graph, "PROFILE", True)
     graph.replay()
     assert torch.equal(q, cpu_ops.qkv_rope(qkv, positions, cos, sin, None, None, 0.0, 2, 1, k_cache, v_cache,
                                            slots)[0])

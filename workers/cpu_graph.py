@@ -31,6 +31,9 @@ from lora import native
 from workers import tape_graph
 
 SOURCE = Path(__file__).with_name("cpu_program.c")
+# Replays add each kernel call's time to its program's counters (CPUGraph.kernel_seconds): the decode profiles'
+# switch (benchmarks/profile_decode.py), off in serving (two clock reads a call).
+PROFILE = False
 _load, available = native.library(SOURCE, {"run_program": [ctypes.c_void_p]})
 
 
@@ -89,7 +92,6 @@ class CPUGraph:
     def __init__(self):
         self.steps: list = []         # _Program or tape_graph._Entry, in order
         self.kept: list[_Kernels] = []
-        self.timed = False            # add each kernel call's time to its program's ns (kernel_seconds)
 
     def pool(self):
         return None
@@ -106,7 +108,7 @@ class CPUGraph:
         with torch.inference_mode():
             for step in self.steps:
                 if isinstance(step, _Program):
-                    step.run(self.timed)
+                    step.run(PROFILE)
                 else:
                     step.run()
 
@@ -116,7 +118,7 @@ class CPUGraph:
                 ctypes.memset(step.ns, 0, ctypes.sizeof(step.ns))
 
     def kernel_seconds(self) -> dict[str, float]:
-        """Seconds spent in each kernel (by symbol) over the replays run with `timed`."""
+        """Seconds spent in each kernel (by symbol) over the replays run with PROFILE on."""
         total = defaultdict(float)
         for step in self.steps:
             if isinstance(step, _Program):

@@ -46,7 +46,7 @@ import torch
 
 from lora.batch import LoRABatchInfo
 from lora.modules import GROUPS
-from workers import cpu_graph, tape_graph
+from workers import cpu_gemv, cpu_graph, tape_graph
 from workers.forward_batch import ForwardBatch
 from workers.kv_cache import blocks_needed
 from workers.plan import StepPlan
@@ -54,11 +54,12 @@ from workers.plan import StepPlan
 logger = logging.getLogger(__name__)
 
 MIN_GRAPH_WIDTH = 4   # blocks: a narrower graph saves nothing worth its capture (64 tokens at block size 16)
-# A CPU graph is kept where every layer is our kernels alone: a bf16 dense step's one torch op is its embedding,
-# whatever its depth. Where a layer runs torch ops (fp32 or more rows than
-# cpu_gemv takes: oneDNN's linears; MoE routing; W8A8) the step stays eager, as measured before the graphs, and
-# padded rows never reach oneDNN (its bits depend on the batch).
-MAX_CPU_GRAPH_TORCH_OPS = 8
+# A CPU graph is kept where the layers are our kernels alone: a bf16 dense step's one torch op is its embedding,
+# whatever its depth (an adapter's embedding LoRA adds a few). Where layers run torch ops (MoE routing: 3 a layer;
+# W8A8's linears) the step stays eager, as measured before the graphs; fp32 and buckets of more rows than
+# cpu_gemv.c takes (oneDNN's linears, whose bits depend on the batch: padded rows must not reach them) are not
+# even captured.
+MAX_CPU_GRAPH_TORCH_OPS = 4
 
 
 def lora_tiers(groups: frozenset[str] | None) -> tuple[frozenset[str] | None, ...]:
@@ -120,6 +121,8 @@ class GraphRunner:
         # (batch bucket, LoRA tier) -> (CPUGraph, logits), None where it runs eagerly (its capture failed)
         self.use_cpu_graphs = (platform.name == "cpu" and not config.enforce_eager and not self.emulated
                                and tp_size == 1 and cpu_graph.available())   # TP: its collectives are no ops
+        # the buckets whose linears cpu_gemv.c takes (bf16, up to max_rows rows): the others' would be oneDNN's
+        self.cpu_graph_rows = cpu_gemv.max_rows() if kv_cache.k.dtype == torch.bfloat16 else 0
         self.cpu_graphs: dict[tuple[int, frozenset | None], tuple[cpu_graph.CPUGraph, torch.Tensor] | None] = {}
         if capture and not self.lazy:
             self._capture_all()
@@ -172,7 +175,7 @@ class GraphRunner:
         B = plan.num_seqs
         b = self._bucket(B)
         cpu_key = (b, self.tier(groups))
-        if self.use_cpu_graphs and self.cpu_graphs.get(cpu_key, ()) is not None:
+        if self.use_cpu_graphs and b <= self.cpu_graph_rows and self.cpu_graphs.get(cpu_key, ()) is not None:
             self._fill(plan, b, zero_tables=False)   # () above: not tried yet; None: its capture failed
             if cpu_key not in self.cpu_graphs:
                 self.cpu_graphs[cpu_key] = self._capture_cpu(*cpu_key)
