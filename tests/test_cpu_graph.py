@@ -12,12 +12,12 @@ pytestmark = pytest.mark.skipif(not (cpu_graph.available() and cpu_ops.available
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
-def _generate(path: str, prompts=PROMPTS[:3], adapters_of=None, adapters=None, **config):
+def _generate(path: str, prompts=PROMPTS[:3], adapters_of=None, adapters=None, params=GREEDY, **config):
     engine = LLMEngine(EngineConfig(model=path, dtype=config.pop("dtype", "bfloat16"), device="cpu", **config))
     try:
         for name, source in (adapters or {}).items():
             engine.load_adapter(name, str(source))
-        out = engine.generate(prompts, GREEDY, adapters_of)
+        out = engine.generate(prompts, params, adapters_of)
         return out, dict(engine.executor.runner.graph_runner.cpu_graphs)
     finally:
         engine.close()
@@ -33,7 +33,7 @@ def _same(a, b) -> None:
     """Same tokens and the same logprobs, bit for bit: the replay runs the eager step's kernels on its rows."""
     for x, y in zip(a, b, strict=True):
         assert x.token_ids == y.token_ids
-        assert x.logprobs == y.logprobs and len(x.logprobs) == GREEDY.max_tokens
+        assert x.logprobs == y.logprobs and len(x.logprobs) == len(x.token_ids) > 0
 
 
 @pytest.mark.skipif(not cpu_gemv.available(), reason="the bf16 linears are oneDNN's without the GEMV kernel")
@@ -68,6 +68,13 @@ def test_steps_with_adapters_replay_their_lora_tiers_graph(model_dir, tmp_path):
         _same(graphed, _generate(str(path), adapters_of=names, enforce_eager=True, **lora)[0])
         (bucket, tier), = graphs
         assert bucket == 4 and bool(tier) == any(names) and graphs[bucket, tier] is not None
+    # eight streams of different lengths: the batch shrinks through buckets 8, 4, 2 and 1, both tiers in each
+    names = [None, "a"] * 4
+    params = [SamplingParams(max_tokens=2 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(8)]
+    graphed, graphs = _generate(str(path), PROMPTS, names, params=params, **lora)
+    _same(graphed, _generate(str(path), PROMPTS, names, params=params, enforce_eager=True, **lora)[0])
+    if cpu_gemv.max_rows() >= 8:
+        assert {b for b, _ in graphs} == {1, 2, 4, 8} and all(g is not None for g in graphs.values())
 
 
 def test_steps_of_torch_ops_keep_their_eager_step(model_dir, tmp_path):
@@ -148,3 +155,42 @@ def test_the_replayed_steps_agree_with_transformers(model_dir):
         want = [logprobs[n - 1 + i, t].item() for i, t in enumerate(o.token_ids)]
         worst = max(worst, *(abs(a - b) for a, b in zip(o.logprobs, want, strict=True)))
     assert worst < 0.05, worst
+
+
+@pytest.mark.parametrize("kind", ["thread", "process"])
+def test_served_streams_replay_graphs_and_all_finish(model_dir, tmp_path, kind):
+    """The served path (the async front over an engine thread, or the engine in its own process): streams of
+    different lengths arriving together, the batch shrinking as they end (buckets 8, 4, 2, 1), adapters and base
+    rows mixed; every stream gets all its tokens, and the thread's engine replayed a graph of each bucket and tier.
+    (Token equality with LLMEngine.generate is the tests above: served, the steps' composition depends on when each
+    request arrives, and a bf16 row's bits on its GEMV path, vector or AMX, as in eager steps.)"""
+    import asyncio
+
+    from workers.async_engine import AsyncLLMEngine
+    from workers.engine_process import start_engine
+
+    path = model_dir("qwen3")
+    adapter = make_adapter(path, tmp_path / "a")
+    config = EngineConfig(model=str(path), dtype="bfloat16", device="cpu", max_lora_rank=8)
+    names = [None, "a"] * 4
+    params = [SamplingParams(max_tokens=2 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(8)]
+    inner = LLMEngine(config) if kind == "thread" else None
+    served = AsyncLLMEngine(inner) if inner is not None else start_engine(config, {})
+
+    async def stream(prompt, p, name):
+        return [out async for out in served.generate(prompt, p, name)][-1]
+
+    async def main():
+        await served.load_adapter("a", str(adapter))
+        return await asyncio.gather(*(stream(*args) for args in zip(PROMPTS, params, names)))
+
+    try:
+        outs = asyncio.run(main())
+        assert [len(o.token_ids) for o in outs] == [p.max_tokens for p in params]
+        assert all(o.finish_reason == "length" for o in outs)
+        if inner is not None and cpu_gemv.max_rows() >= 8:
+            graphs = inner.executor.runner.graph_runner.cpu_graphs
+            assert {b for b, _ in graphs} >= {1, 2, 4} and all(g is not None for g in graphs.values())
+            assert any(tier for _, tier in graphs)
+    finally:
+        served.close()
