@@ -1,4 +1,5 @@
-"""workers/cpu_graph.py: a CPU decode step without adapters replayed as its kernel program (workers/cpu_program.c)."""
+"""workers/cpu_graph.py: a CPU decode step, with or without adapters, replayed as its kernel program
+(workers/cpu_program.c)."""
 from __future__ import annotations
 
 import pytest
