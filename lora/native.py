@@ -175,9 +175,9 @@ _recording = threading.local()
 def call(fn, args: ctypes.Structure, check: Callable[[int], None]) -> None:
     """fn(&args), a kernel taking one argument struct; a nonzero status goes to check (which raises). Under
     `recording` the call is also recorded."""
-    calls = getattr(_recording, "calls", None)
-    if calls is not None:
-        calls.append(KernelCall(fn, args, check))
+    state = getattr(_recording, "state", None)
+    if state is not None:
+        state.calls.append(KernelCall(fn, args, check))
     status = fn(ctypes.addressof(args))
     if status:
         check(status)
@@ -231,12 +231,11 @@ class Recording:
 @contextlib.contextmanager
 def recording():
     """Record the kernel calls (`call`) of the ops run inside, on this thread; yields the Recording."""
-    state = Recording()
-    _recording.calls, _recording.state = state.calls, state
+    _recording.state = state = Recording()
     try:
         yield state
     finally:
-        _recording.calls = _recording.state = None
+        _recording.state = None
 
 
 def recordable(impl):

@@ -1,7 +1,7 @@
 """A decode step's dense bf16 linears at up to 32 rows through cpu_gemv.c, on oneDNN's own packed weight.
 
-    loraserve::packed_gemv(x, weight, bias, in_padded, act=0) -> y      y = x @ W.T (+ bias), W the packed weight's matrix
-                                                                     act=SILU_AND_MUL: silu(gate) * up of y = [gate | up]
+    loraserve::packed_gemv(x, weight, bias, in_padded, act=0) -> y
+        y = x @ W.T (+ bias), W the packed weight's matrix; act=SILU_AND_MUL: silu(gate) * up of that [gate | up]
 
 prepack_linears (workers/parallel.py) reorders every linear weight once into oneDNN's blocked layout, which its AMX
 kernels need for prefill; `adopt` then checks, value for value in its first, a middle and its last 1024 outputs,
@@ -38,6 +38,7 @@ ENABLED = os.environ.get("LORASERVE_DENSE_GEMV", "1") != "0"
 OUT_OF_MEMORY = 1   # the kernel's nonzero returns (lora/status.h), the others a refused shape
 _CHECK_ROWS = 1024   # output rows of each chunk adopt compares (no full-size temporary)
 SILU_AND_MUL = 1     # gemv_args.act: the MLP's gate_up projection and its activation in one pass (cpu_gemv.c)
+MOST_ROWS = 32       # cpu_gemv.c's: the rows of one call at most (the AMX path's; the activation's scratch)
 
 
 class _Args(ctypes.Structure):
@@ -117,7 +118,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, in_
           and weight.dtype == torch.bfloat16 and in_dim % 2 == 0 and in_padded >= in_dim
           and (bias is None or (bias.dtype in (torch.bfloat16, torch.float32) and bias.numel() == out_dim
                                 and bias.is_contiguous()))
-          and act in (0, SILU_AND_MUL) and (not act or (takes_silu(weight) and x.numel() <= 32 * in_dim)))
+          and act in (0, SILU_AND_MUL) and (not act or (takes_silu(weight) and x.numel() <= MOST_ROWS * in_dim)))
     if not ok:
         operands = [None if t is None else (tuple(t.shape), t.dtype) for t in (x, weight, bias)]
         raise ValueError(f"packed_gemv: x, weight, bias {operands}, in_padded {in_padded}, act {act} (it needs bf16 "

@@ -87,14 +87,11 @@ class _Recorder(tape_graph._Recorder):
 
 
 class CPUGraph:
-    """A forward captured by `graph` (the GraphRunner's graph API: replay(), pool())."""
+    """A forward captured by `graph`, replayed by `replay()`."""
 
     def __init__(self):
         self.steps: list = []         # _Program or tape_graph._Entry, in order
         self.kept: list[_Kernels] = []
-
-    def pool(self):
-        return None
 
     @property
     def num_kernel_calls(self) -> int:
@@ -142,7 +139,7 @@ class CPUGraph:
 
 
 @contextlib.contextmanager
-def graph(g: CPUGraph, pool=None):
+def graph(g: CPUGraph):
     """Capture into g (as torch.cuda.graph(g)); the ops also run, so the outputs hold this forward's values."""
     tape: list = []
     with tape_graph._refuse_host_reads(), _Recorder(tape):

@@ -122,7 +122,8 @@ class GraphRunner:
         self.use_cpu_graphs = (platform.name == "cpu" and not config.enforce_eager and not self.emulated
                                and tp_size == 1 and cpu_graph.available())   # TP: its collectives are no ops
         # the buckets whose linears cpu_gemv.c takes (bf16, up to max_rows rows): the others' would be oneDNN's
-        self.cpu_graph_rows = cpu_gemv.max_rows() if kv_cache.k.dtype == torch.bfloat16 else 0
+        self.cpu_graph_rows = (cpu_gemv.max_rows() if self.use_cpu_graphs and kv_cache.k.dtype == torch.bfloat16
+                               else 0)
         self.cpu_graphs: dict[tuple[int, frozenset | None], tuple[cpu_graph.CPUGraph, torch.Tensor] | None] = {}
         if capture and not self.lazy:
             self._capture_all()
