@@ -46,20 +46,26 @@ static inline __attribute__((always_inline)) void shrink_block(const uint16_t *c
 }
 
 /* Shrink rows q = s * R + j in [q0, q1) of one chunk of one adapter's tokens into bf16 h
- * (rounded as torch's bf16 GEMMs round it); rows past the adapter's rank are exactly zero. */
+ * (rounded as torch's bf16 GEMMs round it); rows past the adapter's rank are exactly zero. A slot whose slices share
+ * slice 0's A (a_shared) has the same h in every slice: the rows of slice 0 this call computed are copied (a MoE
+ * gate_up LoRA's shrink, half of its prefill arithmetic, was computed twice). */
 static void dp_shrink(const sgmv_args *args, int64_t slot, int64_t rank, int64_t n, const int64_t *r, uint16_t *hb,
                       int64_t q0, int64_t q1) {
     const uint16_t *x = args->x, *a = args->a;
     const int64_t in_dim = args->in_dim, R = args->R, SR = args->stack * R;
     int64_t live[4];
     int nq = 0;
+    const int shared = args->a_shared && args->a_shared[slot];
     for (int64_t q = q0; q < q1; q++) {
         if (q % R >= rank) {
             for (int64_t t = 0; t < n; t++) hb[t * SR + q] = 0;
+        } else if (shared && q >= R && q0 <= q % R) {
+            for (int64_t t = 0; t < n; t++) hb[t * SR + q] = hb[t * SR + q % R];
         } else {
             live[nq++] = q;
         }
-        if (nq < 4 && q + 1 < q1) continue;
+        /* a shared slot's slice 0 is computed whole before its rows are copied */
+        if (nq < 4 && q + 1 < q1 && !(shared && q + 1 == R)) continue;
         if (!nq) continue;
         const uint16_t *ar[4];   /* up to 4 live rows; a short block repeats its last row */
         for (int j = 0; j < 4; j++)
@@ -151,16 +157,36 @@ static void dp_expand(const sgmv_args *args, int64_t slot, int64_t rank, int64_t
     }
 }
 
+/* Expand items read ahead of their use. A decode group's b is a few scattered KiB (a MoE expert's, an adapter's
+ * slice), read once, a 512-byte block per item for a few dozen cycles of work: the hardware's prefetchers start too
+ * late on it and each item waited on its lines (perf: the block's loads, the expert LoRA's hottest lines). */
+#define EXPAND_AHEAD 8
+
+static inline void prefetch_item(const sgmv_args *args, int64_t slot, const int64_t *item_start, int64_t q) {
+    if (q >= item_start[args->stack]) return;
+    int64_t s = 0;
+    while (q >= item_start[s + 1]) s++;
+    const int64_t out = args->out_dims[s], o = (q - item_start[s]) * 16, rows = out - o < 16 ? out - o : 16;
+    const char *p = (const char *)((const uint16_t *)args->b[s] + (slot * out + o) * args->R);
+    const uintptr_t end = (uintptr_t)p + (uintptr_t)(rows * args->R) * sizeof(uint16_t);
+    for (uintptr_t line = (uintptr_t)p & ~(uintptr_t)63; line < end; line += 64)
+        _mm_prefetch((const char *)line, _MM_HINT_T0);
+}
+
 /* Rows [lo, hi) of one adapter (rows[] entries), CHUNK at a time: shrink, then every expand item. hb: the scratch of
  * CHUNK * stack * R + 32 bf16 (+ 32: whole-vector loads). */
 static void dp_rows(const sgmv_args *args, int64_t slot, int64_t rank, int64_t lo, int64_t hi, uint16_t *hb) {
     int64_t item_start[MAX_STACK + 1] = {0};
     for (int64_t s = 0; s < args->stack; s++) item_start[s + 1] = item_start[s] + (args->out_dims[s] + 15) / 16;
+    const int64_t items = item_start[args->stack];
+    for (int64_t q = 0; q < EXPAND_AHEAD; q++) prefetch_item(args, slot, item_start, q);   /* under the shrink */
     for (int64_t c0 = lo; c0 < hi; c0 += CHUNK) {
         const int64_t n = hi - c0 < CHUNK ? hi - c0 : CHUNK;
         dp_shrink(args, slot, rank, n, args->rows + c0, hb, 0, args->stack * args->R);
-        for (int64_t q = 0; q < item_start[args->stack]; q++)
+        for (int64_t q = 0; q < items; q++) {
+            if (c0 == lo) prefetch_item(args, slot, item_start, q + EXPAND_AHEAD);
             dp_expand(args, slot, rank, n, args->rows + c0, hb, item_start, q);
+        }
     }
 }
 #define BF16_DP_OK(p) (((p)->R == 16 || (p)->R % 32 == 0) && (p)->stack <= MAX_STACK)

@@ -74,12 +74,14 @@ def test_the_pool_marks_the_blocks_whose_slices_share_a():
 
 
 @needs_kernel
+@pytest.mark.parametrize("shared_rank", [16, 6])   # 6: slice 0's last live rows are a block short of 4
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_kernel_reads_slice_0s_a_for_shared_blocks(dtype):
-    """With the flag set, slice 1 is computed from slice 0's A rows: equal to the torch maths when they are equal
-    (the pool's promise), and visibly so when they are not (the flag is obeyed, not ignored)."""
+def test_the_kernel_reads_slice_0s_a_for_shared_blocks(dtype, shared_rank):
+    """With the flag set, slice 1 is computed from slice 0's A rows (in bf16 its h copied from slice 0's): equal to
+    the torch maths when they are equal (the pool's promise), bit for bit the unflagged call's, and visibly from
+    slice 0 when they are not (the flag is obeyed, not ignored)."""
     pool = make_pool(dtype)
-    pool.load(0, expert_adapter("fused", 16, True, 0), 0)
+    pool.load(0, expert_adapter("fused", shared_rank, True, 0), 0)
     pool.load(1, expert_adapter("two_d", 8, False, 1), 1)
     a, b = pool.buffers[(0, "experts_gate_up")]
     table = pool.a_shared[(0, "experts_gate_up")]
@@ -89,7 +91,7 @@ def test_the_kernel_reads_slice_0s_a_for_shared_blocks(dtype):
     groups = {}
     for t, s in enumerate(slots):
         groups.setdefault(s, []).append(t)
-    plan = KernelGroups.of(list(groups), [16 if s < E else 8 for s in groups], list(groups.values()))
+    plan = KernelGroups.of(list(groups), [shared_rank if s < E else 8 for s in groups], list(groups.values()))
 
     def run(a_shared):
         y = torch.zeros(12, 2 * I, dtype=dtype)
