@@ -173,6 +173,19 @@ static inline void prefetch_item(const sgmv_args *args, int64_t slot, const int6
         _mm_prefetch((const char *)line, _MM_HINT_T0);
 }
 
+/* The chunk's rows of y asked for ahead of the expand that updates them, under the shrink: at prefill sizes y is a
+ * MoE layer's whole gate_up or down output (MBs, written by the grouped GEMM long before) and an expert's rows are
+ * scattered in it, beyond the hardware prefetchers' reach (perf: the expand's loads of y were its hottest lines). */
+static inline void prefetch_rows(const sgmv_args *args, int64_t n, const int64_t *r) {
+    for (int64_t s = 0; s < args->stack; s++)
+        for (int64_t t = 0; t < n; t++) {
+            const char *p = (const char *)((const uint16_t *)args->y + r[t] * args->y_stride + args->y_offsets[s]);
+            const uintptr_t end = (uintptr_t)p + (uintptr_t)args->out_dims[s] * sizeof(uint16_t);
+            for (uintptr_t line = (uintptr_t)p & ~(uintptr_t)63; line < end; line += 64)
+                _mm_prefetch((const char *)line, _MM_HINT_T0);
+        }
+}
+
 /* Rows [lo, hi) of one adapter (rows[] entries), CHUNK at a time: shrink, then every expand item. hb: the scratch of
  * CHUNK * stack * R + 32 bf16 (+ 32: whole-vector loads). */
 static void dp_rows(const sgmv_args *args, int64_t slot, int64_t rank, int64_t lo, int64_t hi, uint16_t *hb) {
@@ -182,6 +195,7 @@ static void dp_rows(const sgmv_args *args, int64_t slot, int64_t rank, int64_t l
     for (int64_t q = 0; q < EXPAND_AHEAD; q++) prefetch_item(args, slot, item_start, q);   /* under the shrink */
     for (int64_t c0 = lo; c0 < hi; c0 += CHUNK) {
         const int64_t n = hi - c0 < CHUNK ? hi - c0 : CHUNK;
+        prefetch_rows(args, n, args->rows + c0);
         dp_shrink(args, slot, rank, n, args->rows + c0, hb, 0, args->stack * args->R);
         for (int64_t q = 0; q < items; q++) {
             if (c0 == lo) prefetch_item(args, slot, item_start, q + EXPAND_AHEAD);
