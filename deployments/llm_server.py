@@ -35,6 +35,7 @@ from lora.sources import is_hub_id
 from workers.async_engine import AsyncLLMEngine
 from workers.config import SamplingParams
 from workers.engine_process import start_engine
+from workers.heap import freeze_startup_heap
 from workers.request import EngineRequest
 from workers.limits import check_token_ids
 from workers.output import TokenNames
@@ -54,6 +55,7 @@ class LLMServer(ReplicaAdapters, ReplicaHealth):
         self.replica_id = context.replica_id.unique_id
         self._use_engine(await asyncio.to_thread(_start_engine, config), config)   # minutes for a big model
         await self._start_adapters(context.app_name)
+        freeze_startup_heap()   # this process's start-up objects (Ray, Serve, the engine on a thread) left alone
 
     def _use_engine(self, engine: AsyncLLMEngine, config: LLMConfig) -> None:
         """What the request path needs of the engine and the config (all of it, for a replica without Serve)."""

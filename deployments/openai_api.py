@@ -40,6 +40,7 @@ from deployments.vllm_metrics import render_vllm
 from lora.names import ADAPTER_NAME, check_adapter_name
 from workers.config import SamplingParams
 from workers.errors import EngineDeadError
+from workers.heap import freeze_startup_heap
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
 HEALTH_TIMEOUT_S = 10.0
@@ -70,6 +71,7 @@ class OpenAIIngress:
         # Ready (so Serve routes HTTP here) only once an LLMServer replica answers: it has put the configured
         # adapters in the registry and can serve them, so /v1/models lists them from its first answer.
         await self._handle(None).is_healthy.remote()
+        freeze_startup_heap()   # as the replica's: no collection's pause over the start-up objects while streaming
 
     def _adapter_of(self, model: str) -> str | None:
         """`<base>` -> None; `<base>:<adapter>` or `<adapter>` -> the adapter (the server checks it exists)."""

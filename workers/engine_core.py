@@ -18,6 +18,7 @@ from workers import core_messages as msg
 from workers.core_client import CoreFacts, ThreadCoreClient
 from workers.engine_process import build_engine
 from workers.errors import EngineDeadError
+from workers.heap import freeze_startup_heap
 from workers.sequence import TokenDelta
 
 
@@ -74,6 +75,7 @@ def _serve(conn: Connection) -> None:
     except Exception as exc:  # noqa: BLE001  (the parent raises it)
         send_safely("failed", exc)
         return
+    freeze_startup_heap()   # no full collection's pause over the model's objects while serving
     core = ThreadCoreClient(engine)
     send(("ready", CoreFacts.of(engine)))
     core.connect(_SocketSink(send))
