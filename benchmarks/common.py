@@ -243,15 +243,19 @@ def sizes_dict(sizes: Sizes) -> dict:
 
 
 def bench_main(name: str, doc: str, run, argv=None) -> dict:
-    """The command line every single benchmark shares: --dtype, --sizes; writes results/<name>_<dtype>.json."""
+    """The command line every single benchmark shares: --dtype, --sizes; writes results/<name>_<dtype>.json, or
+    <name>_<dtype>_t<N>.json where --sizes asks for N > 1 threads (a 2-thread run then leaves the 1-thread one's
+    file alone)."""
     import argparse
 
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--sizes", default=None, help="JSON overrides of benchmarks.common.Sizes")
     args = parser.parse_args(argv)
-    data = run(sizes_from_json(args.sizes), args.dtype)
-    print(write_result(f"{name}_{args.dtype}", data))
+    sizes = sizes_from_json(args.sizes)
+    threads = json.loads(args.sizes).get("threads", 1) if args.sizes else 1
+    data = run(sizes, args.dtype)
+    print(write_result(f"{name}_{args.dtype}" + (f"_t{threads}" if threads > 1 else ""), data))
     return data
 
 

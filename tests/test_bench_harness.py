@@ -106,3 +106,13 @@ def test_report_keeps_the_note_under_the_targets_table(tmp_path):
     text = render({}, results=tmp_path)
     assert text.count("The serving rows come from another machine.") == 1   # there, not again among the sections
     assert text.index("## Targets") < text.index("The serving rows") < text.index("## Details") < text.index("### Mine")
+
+
+def test_a_run_on_more_threads_is_written_beside_the_one_thread_run(monkeypatch):
+    from benchmarks import common
+
+    written = []
+    monkeypatch.setattr(common, "write_result", lambda name, data: written.append((name, data["threads"])) or name)
+    for sizes in (None, '{"threads": 1}', '{"threads": 2}'):
+        common.bench_main("x", "doc", lambda s, dtype: {"threads": s.threads}, ["--sizes", sizes] if sizes else [])
+    assert written[1:] == [("x_bfloat16", 1), ("x_bfloat16_t2", 2)] and written[0][0] == "x_bfloat16"
