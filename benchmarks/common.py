@@ -252,9 +252,8 @@ def bench_main(name: str, doc: str, run, argv=None) -> dict:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--sizes", default=None, help="JSON overrides of benchmarks.common.Sizes")
     args = parser.parse_args(argv)
-    sizes = sizes_from_json(args.sizes)
-    threads = json.loads(args.sizes).get("threads", 1) if args.sizes else 1
-    data = run(sizes, args.dtype)
+    threads = json.loads(args.sizes or "{}").get("threads", 1)
+    data = run(sizes_from_json(args.sizes), args.dtype)
     print(write_result(f"{name}_{args.dtype}" + (f"_t{threads}" if threads > 1 else ""), data))
     return data
 

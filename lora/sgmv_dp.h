@@ -162,15 +162,17 @@ static void dp_expand(const sgmv_args *args, int64_t slot, int64_t rank, int64_t
  * late on it and each item waited on its lines (perf: the block's loads, the expert LoRA's hottest lines). */
 #define EXPAND_AHEAD 8
 
+static inline void prefetch_lines(const void *start, int64_t bytes) {   /* every cache line of [start, +bytes) */
+    for (uintptr_t line = (uintptr_t)start & ~(uintptr_t)63; line < (uintptr_t)start + (uintptr_t)bytes; line += 64)
+        _mm_prefetch((const char *)line, _MM_HINT_T0);
+}
+
 static inline void prefetch_item(const sgmv_args *args, int64_t slot, const int64_t *item_start, int64_t q) {
     if (q >= item_start[args->stack]) return;
     int64_t s = 0;
     while (q >= item_start[s + 1]) s++;
     const int64_t out = args->out_dims[s], o = (q - item_start[s]) * 16, rows = out - o < 16 ? out - o : 16;
-    const char *p = (const char *)((const uint16_t *)args->b[s] + (slot * out + o) * args->R);
-    const uintptr_t end = (uintptr_t)p + (uintptr_t)(rows * args->R) * sizeof(uint16_t);
-    for (uintptr_t line = (uintptr_t)p & ~(uintptr_t)63; line < end; line += 64)
-        _mm_prefetch((const char *)line, _MM_HINT_T0);
+    prefetch_lines((const uint16_t *)args->b[s] + (slot * out + o) * args->R, rows * args->R * sizeof(uint16_t));
 }
 
 /* The chunk's rows of y asked for ahead of the expand that updates them, under the shrink: at prefill sizes y is a
@@ -178,12 +180,9 @@ static inline void prefetch_item(const sgmv_args *args, int64_t slot, const int6
  * scattered in it, beyond the hardware prefetchers' reach (perf: the expand's loads of y were its hottest lines). */
 static inline void prefetch_rows(const sgmv_args *args, int64_t n, const int64_t *r) {
     for (int64_t s = 0; s < args->stack; s++)
-        for (int64_t t = 0; t < n; t++) {
-            const char *p = (const char *)((const uint16_t *)args->y + r[t] * args->y_stride + args->y_offsets[s]);
-            const uintptr_t end = (uintptr_t)p + (uintptr_t)args->out_dims[s] * sizeof(uint16_t);
-            for (uintptr_t line = (uintptr_t)p & ~(uintptr_t)63; line < end; line += 64)
-                _mm_prefetch((const char *)line, _MM_HINT_T0);
-        }
+        for (int64_t t = 0; t < n; t++)
+            prefetch_lines((const uint16_t *)args->y + r[t] * args->y_stride + args->y_offsets[s],
+                           args->out_dims[s] * sizeof(uint16_t));
 }
 
 /* Rows [lo, hi) of one adapter (rows[] entries), CHUNK at a time: shrink, then every expand item. hb: the scratch of
