@@ -19,7 +19,10 @@ def test_engine_alone_serves_the_http_benchmarks_requests(tmp_path, monkeypatch)
         summary = run["summary"]
         expected = sum(r["max_tokens"] for r in serving.make_requests(timed, sizes.shape.vocab_size))
         assert summary["failed"] == 0 and summary["output_tokens"] == expected   # ignore_eos: every token
-        assert summary["tpot_ms"]["p50"] > 0 and summary["ttft_ms"]["p99"] >= summary["ttft_ms"]["p50"]
+        # a stream whose consumer lagged the engine (a loaded CI machine) gets its remaining tokens in one delta, 0 ms
+        # apart: the median stream may read 0 (a clean clone did), but not every stream
+        assert summary["tpot_ms"]["p99"] > 0 and summary["tpot_ms"]["p50"] >= 0
+        assert summary["ttft_ms"]["p99"] >= summary["ttft_ms"]["p50"]
     # each rate has its own prompts (no prefix-cache hits from the run before), the same for both modes
     first, second = (serving.make_requests(t, sizes.shape.vocab_size) for t in serving.loads_at(load, (50.0, 100.0)))
     assert [r["prompt"] for r in first] != [r["prompt"] for r in second]
