@@ -78,17 +78,32 @@ def test_steps_with_adapters_replay_their_lora_tiers_graph(model_dir, tmp_path):
         assert {b for b, _ in graphs} == {1, 2, 4, 8} and all(g is not None for g in graphs.values())
 
 
-def test_steps_of_torch_ops_keep_their_eager_step(model_dir, tmp_path):
-    """fp32 (oneDNN's linears) is not captured; a bf16 MoE step (routing and experts on torch ops) is captured once,
-    found to run torch ops in every layer, and stays eager: both as they were before the graphs."""
+def test_steps_of_torch_ops_keep_their_eager_step(model_dir):
+    """fp32 (oneDNN's linears) is not captured: as it was before the graphs."""
     path = str(model_dir("qwen3"))
     graphed, graphs = _generate(path, dtype="float32")
     assert graphs == {}
     _same(graphed, _generate(path, dtype="float32", enforce_eager=True)[0])
+
+
+@pytest.mark.skipif(not cpu_gemv.available(), reason="the router's linear is oneDNN's without the GEMV kernel")
+@pytest.mark.parametrize("num_prompts", [3, 5])
+def test_a_moe_step_replays_its_router_routing_and_experts_as_kernels(tmp_path, num_prompts):
+    """A bf16 MoE step: the router's linear on the GEMV kernel, the routing and the whole expert block one C call
+    each, so only the embedding is a torch op; the bucket's padded rows (1 of 4, 3 of 8) route to no expert; the
+    same tokens and logprobs as the eager step, bit for bit."""
     moe = str(make_moe_model(tmp_path / "moe"))
-    graphed, graphs = _generate(moe)
-    assert len(graphs) == 1 and _base(graphs, 4) is None
-    _same(graphed, _generate(moe, enforce_eager=True)[0])
+    prompts = (PROMPTS * 2)[:num_prompts]
+    graphed, graphs = _generate(moe, prompts)
+    _same(graphed, _generate(moe, prompts, enforce_eager=True)[0])
+    bucket = 4 if num_prompts == 3 else 8
+    if bucket > cpu_gemv.max_rows():
+        assert graphs == {}
+        return
+    graph, logits = _base(graphs, bucket)
+    # a layer: two norms, q/k rope, attention, qkv and o; a sparse one's router, routing and experts (2 of the 3),
+    # the dense one's gate_up and down; then the final norm and the LM head
+    assert graph.num_torch_ops == 1 and graph.num_kernel_calls == 2 * 9 + 8 + 2 and logits.shape[0] == bucket
 
 
 def _capture(fn):

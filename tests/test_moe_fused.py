@@ -82,6 +82,30 @@ def test_the_fused_block_and_its_combine_matches_the_unfused_path(tokens, expert
     assert torch.equal(moe_fused.combine(y, rows.token, rows.weight, tokens), expected)
 
 
+@DTYPES
+@pytest.mark.parametrize("valid", [3, 0, 9], ids=["padded", "none_real", "past_the_tokens"])
+def test_a_count_of_real_tokens_routes_only_them(valid, dtype):
+    """A captured decode's padded bucket: the rows past `valid` get no expert rows (offsets end at valid * top_k)
+    and zeros out of the block; the real ones the bits they get routed alone."""
+    tokens, experts, top_k, hidden, inter = 5, 16, 2, 64, 24
+    gen = torch.Generator().manual_seed(valid)
+    logits = torch.randn(tokens, experts, generator=gen).to(dtype)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter, generator=gen) / inter ** 0.5).to(dtype)
+    real = min(valid, tokens)
+    weight, token, expert, offsets = moe_fused.route(logits, top_k, True, torch.tensor([valid]))
+    alone = moe_experts.route_grouped(logits[:real], top_k, True)
+    n = real * top_k
+    assert torch.equal(offsets, alone.offsets) and int(offsets[-1]) == n
+    assert torch.equal(token[:n], alone.token) and torch.equal(expert[:n], alone.expert)
+    assert torch.equal(weight[:n], alone.weight)
+    assert torch.equal(token[n:], torch.arange(n, tokens * top_k) // top_k) and bool((expert[n:] == -1).all())
+    out = moe_fused.experts(x, w13, w2, offsets, token, weight)
+    assert torch.equal(out[:real], moe_fused.experts(x[:real], w13, w2, alone.offsets, alone.token, alone.weight))
+    assert not out[real:].any()
+
+
 def test_threads_share_the_experts_and_the_combine_without_changing_a_value():
     x = torch.randn(24, 1024).to(torch.bfloat16)   # past the kernels' thresholds for a parallel region
     w13, w2 = torch.randn(32, 512, 1024).to(torch.bfloat16), torch.randn(32, 1024, 256).to(torch.bfloat16)
@@ -113,6 +137,8 @@ def test_bad_operands_are_refused_naming_them():
         moe_fused.combine(torch.randn(4, 8), torch.tensor([0, 1, 2, 0]), rows.weight, 2)
     with pytest.raises(ValueError, match="1 <= top_k <= experts"):
         moe_fused.route(torch.randn(2, 3), 4, True)
+    with pytest.raises(ValueError, match="an int64 count of real tokens"):
+        moe_fused.route(torch.randn(2, 3), 2, True, torch.tensor([1.0]))
 
 
 def test_the_ops_record_on_the_tape_and_have_fakes():

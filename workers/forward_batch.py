@@ -33,3 +33,4 @@ class ForwardBatch:
     lm_lora: LoRABatchInfo | None = None     # per logits row
     graph_safe: bool = False                 # decode ops must be capturable: device tensor ops only
     all_rows_logits: bool = False            # logits_indices is every row in order (a decode batch's static buffers)
+    valid_tokens: torch.Tensor | None = None # [1] int64: how many leading rows are real (a CPU graph's padded bucket)

@@ -54,11 +54,11 @@ from workers.plan import StepPlan
 logger = logging.getLogger(__name__)
 
 MIN_GRAPH_WIDTH = 4   # blocks: a narrower graph saves nothing worth its capture (64 tokens at block size 16)
-# A CPU graph is kept where the layers are our kernels alone: a bf16 dense step's one torch op is its embedding,
-# whatever its depth (an adapter's embedding LoRA adds a few). Where layers run torch ops (MoE routing: 3 a layer;
-# W8A8's linears) the step stays eager, as measured before the graphs; fp32 and buckets of more rows than
-# cpu_gemv.c takes (oneDNN's linears, whose bits depend on the batch: padded rows must not reach them) are not
-# even captured.
+# A CPU graph is kept where the layers are our kernels alone: a bf16 dense or MoE step's one torch op is its
+# embedding, whatever its depth (an adapter's embedding LoRA adds a few). Where layers run torch ops (W8A8's
+# linears; a MoE step's expert LoRA between its projections) the step stays eager, as measured before the graphs;
+# fp32 and buckets of more rows than cpu_gemv.c takes (oneDNN's linears, whose bits depend on the batch: padded
+# rows must not reach them) are not even captured.
 MAX_CPU_GRAPH_TORCH_OPS = 4
 
 
@@ -107,6 +107,7 @@ class GraphRunner:
         self.input_ids, self.positions, self.slot_mapping, self.context_lens, self.token_slots = self._rows.unbind()
         self.context_lens.fill_(1)
         self.token_slots.fill_(-1)
+        self.num_valid = torch.zeros(1, **i64)   # the step's real rows: a MoE block routes no padded row
         self.block_tables = torch.zeros(n, self.width, **i64)
         self.logits_indices = torch.arange(n, **i64)
         # (batch, width, LoRA tier) -> graph, logits / -> the capture's error (that bucket runs eagerly)
@@ -164,6 +165,7 @@ class GraphRunner:
         rows = [plan.input_ids + [0] * pad, plan.positions + [0] * pad, slot_mapping + [0] * pad,
                 plan.seq_lens + [1] * pad, plan.lora_slots + [-1] * pad]
         self._rows[:, :b].copy_(torch.tensor(rows, dtype=torch.int64), non_blocking=True)
+        self.num_valid.fill_(B)
         if zero_tables:
             self.block_tables[:b].zero_()
         self.block_tables[:b, :width].copy_(torch.tensor(tables, dtype=torch.int64), non_blocking=True)
@@ -204,7 +206,8 @@ class GraphRunner:
         return ForwardBatch(input_ids=self.input_ids[:b], positions=self.positions[:b],
                             slot_mapping=self.slot_mapping[:b], logits_indices=self.logits_indices[:b],
                             num_decode_tokens=b, block_tables=self.block_tables[:b], context_lens=self.context_lens[:b],
-                            lora=lora, lm_lora=lora, graph_safe=False, all_rows_logits=True)
+                            lora=lora, lm_lora=lora, graph_safe=False, all_rows_logits=True,
+                            valid_tokens=self.num_valid)
 
     def _capture_cpu(self, b: int, tier: frozenset[str] | None) -> tuple[cpu_graph.CPUGraph, torch.Tensor] | None:
         """Batch bucket b's kernel program with LoRA tier `tier` on the static buffers as they are (this step's), or

@@ -89,17 +89,18 @@ def prepack_linears(model: nn.Module, batch_hint: int = PACK_BATCH_HINT) -> int:
     (prefill chunks). The dense weights are dropped (an LM head tied to the embedding keeps the
     embedding's dense copy: the lookup needs it). Returns the number of layers packed.
     """
-    packed = 0
-    for module in model.modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
-            if module.weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-                return packed   # oneDNN's bf16 reorder refuses a CPU without bf16 instructions: F.linear then
-            weight = module.weight.detach()
-            module.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint),
-                                         requires_grad=False)
-            cpu_gemv.adopt(module.weight, weight)   # its few-row calls on cpu_gemv.c where it reads the layout
-            packed += 1
-    return packed
+    return sum(prepack(module, batch_hint) for module in model.modules()
+               if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)))
+
+
+def prepack(module: nn.Module, batch_hint: int = PACK_BATCH_HINT) -> bool:
+    """module.weight (a linear's [out, in], read through `linear`) reordered for oneDNN; whether it was."""
+    if module.weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False   # oneDNN's bf16 reorder refuses a CPU without bf16 instructions: F.linear then
+    weight = module.weight.detach()
+    module.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint), requires_grad=False)
+    cpu_gemv.adopt(module.weight, weight)   # its few-row calls on cpu_gemv.c where it reads the layout
+    return True
 
 
 def _narrow(tensor_slice, dim: int, start: int, size: int) -> torch.Tensor:

@@ -3,7 +3,9 @@
  *   moe_route:   the router's logits -> fp32 softmax, top-k, renormalised if asked, the weights cast to the
  *                dtype (HF's Qwen3-MoE router), and the (token, choice) rows sorted by expert (stable: by token
  *                within one) with the cumulative row counts per expert: what moe_experts.py's group_rows makes
- *                of torch.softmax / topk / argsort / searchsorted, in one pass instead of ~8 ops.
+ *                of torch.softmax / topk / argsort / searchsorted, in one pass instead of ~8 ops. Given a count
+ *                of real tokens (a captured decode's padded bucket), the others get no rows: padding would
+ *                otherwise stream experts no real token uses.
  *   moe_experts: for every active expert, its rows of x gathered, gate_up, SiLU-and-mul, down (the same vector
  *                block as cpu_moe.c's grouped GEMM, on the same [E, out, in] weights), then every token's rows
  *                weighted and summed: the block's partial output in one parallel region.
@@ -31,12 +33,15 @@ typedef struct {
     void *weight;                /* [tokens * top_k] out, the dtype: each sorted row's routing weight */
     int64_t *token, *expert;     /* [tokens * top_k] out: each sorted row's token and expert */
     int64_t *offsets;            /* [num_experts + 1] out: cumulative rows per expert */
+    const int64_t *valid;        /* NULL, or how many leading tokens are real (a captured bucket's): the others get
+                                    no rows (rows past offsets[E]: token t, expert -1, weight 0) */
 } route_args;
 
 #define DEFINE_ROUTE(NAME, T, LOAD, STORE)                                                                 \
 int NAME(const route_args *a) {                                                                          \
-    const int64_t n = a->tokens, E = a->num_experts, K = a->top_k;                                       \
-    if (E < 1 || K < 1 || K > E || n < 0) return OUT_OF_RANGE;                                           \
+    const int64_t E = a->num_experts, K = a->top_k, all = a->tokens;                                     \
+    if (E < 1 || K < 1 || K > E || all < 0) return OUT_OF_RANGE;                                         \
+    const int64_t n = !a->valid ? all : *a->valid < 0 ? 0 : *a->valid < all ? *a->valid : all;          \
     float *p = malloc(sizeof(float) * (E + n * K));                                                      \
     int64_t *ids = malloc(sizeof(int64_t) * (n * K + 1)), *cursor = calloc(E + 1, sizeof(int64_t));      \
     char *taken = malloc(E);                                                                             \
@@ -73,6 +78,8 @@ int NAME(const route_args *a) {                                                 
         a->expert[row] = ids[i];                                                                         \
         ((T *)a->weight)[row] = STORE(chosen[i]);                                                        \
     }                                                                                                    \
+    for (int64_t i = n * K; i < all * K; i++)                                                            \
+        a->token[i] = i / K, a->expert[i] = -1, ((T *)a->weight)[i] = STORE(0.f);                        \
     free(p); free(ids); free(cursor); free(taken);                                                       \
     return 0;                                                                                            \
 }
@@ -218,14 +225,15 @@ DEFINE_EXPERT(expert_f32, float, item_f32, silu_mul_row_f32, expert_lora_f32)
 
 #define DEFINE_EXPERTS(NAME, T, EXPERT, COLUMNS)                                                           \
 int NAME(const experts_args *a) {                                                                        \
-    const int64_t H = a->hidden, I = a->inter, *off = a->offsets;                                        \
+    const int64_t H = a->hidden, I = a->inter, *off = a->offsets, N = off[a->num_experts];               \
+    if (N < 0 || N > a->num_rows) return OUT_OF_RANGE;   /* rows past offsets[E]: a padded bucket's, none */ \
     const moe_args shape = {.in_dim = H, .out_dim = 2 * I, .num_experts = a->num_experts, .offsets = off,  \
-                            .num_rows = a->num_rows};                                                    \
+                            .num_rows = N};                                                              \
     int64_t *experts;                                                                                    \
     const int64_t active = active_experts(&shape, &experts);                                             \
     if (active < 0) return (int)-active;                                                                 \
     int64_t most = 0;                                                                                    \
-    for (int64_t n = 0; n < a->num_rows; n++)                                                            \
+    for (int64_t n = 0; n < N; n++)                                                                      \
         if (a->token[n] < 0 || a->token[n] >= a->tokens) {                                               \
             free(experts);                                                                               \
             return OUT_OF_RANGE;                                                                         \
@@ -256,7 +264,7 @@ int NAME(const experts_args *a) {                                               
         free(xs);                                                                                        \
         _Pragma("omp for")   /* after the loop's barrier: every row's down output is in rows_out */      \
         for (int64_t c = 0; c < H; c += COMBINE_CHUNK)                                                   \
-            failed |= COLUMNS((const T *)a->rows_out, a->token, (const T *)a->weight, a->num_rows,       \
+            failed |= COLUMNS((const T *)a->rows_out, a->token, (const T *)a->weight, N,                 \
                               a->tokens, H, (T *)a->out, c, c + COMBINE_CHUNK < H ? c + COMBINE_CHUNK : H); \
     }                                                                                                    \
     free(experts);                                                                                       \

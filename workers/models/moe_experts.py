@@ -204,10 +204,10 @@ class MoeExperts(nn.Module):
                                       rows.weight, lora, token_slot, ranks, gate_up, down)
 
 
-def route_grouped(logits: torch.Tensor, top_k: int, normalize: bool) -> ExpertRows:
+def route_grouped(logits: torch.Tensor, top_k: int, normalize: bool, valid: torch.Tensor | None = None) -> ExpertRows:
     """group_rows' grouped form straight from the router's logits (HF's softmax, top-k and renormalisation), in
-    one C call (workers/models/moe_fused.py)."""
-    weight, token, expert, offsets = moe_fused.route(logits, top_k, normalize)
+    one C call (workers/models/moe_fused.py); `valid`: the count of real rows, the others get no rows."""
+    weight, token, expert, offsets = moe_fused.route(logits, top_k, normalize, valid)
     return ExpertRows(token, expert, weight, None, offsets=offsets)
 
 

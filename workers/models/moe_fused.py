@@ -1,12 +1,16 @@
 """A MoE block's routing and its decode-sized expert work in one call each on the CPU: cpu_moe_fused.c as torch ops.
 
-    loraserve::moe_route(logits, top_k, normalize) -> (weight, token, expert, offsets)
+    loraserve::moe_route(logits, top_k, normalize, valid=None) -> (weight, token, expert, offsets)
         HF's router after its linear (fp32 softmax, top-k, renormalised if asked, cast back; equal probabilities
         to the lower expert id) and the (token, choice) rows sorted by expert, stable, with offsets [E + 1] their
-        cumulative counts: group_rows' grouped form (workers/models/moe_experts.py) in one pass.
+        cumulative counts: group_rows' grouped form (workers/models/moe_experts.py) in one pass. `valid` (int64
+        [1], a captured decode's count of real rows) leaves the padded tokens without rows: offsets[E] is then
+        valid * top_k, and moe_experts gives those tokens zeros (a padded row would stream up to top_k experts
+        that no real token uses).
     loraserve::moe_experts(x, w13, w2, offsets, token, weight) -> out [T, H]
         every active expert's gathered rows through gate_up, SiLU-and-mul and down (cpu_moe.c's vector block),
-        then each token's rows weighted and summed: MoeExperts.forward in one call, its bits (cpu_moe_fused.c).
+        then each token's rows weighted and summed: MoeExperts.forward in one call, its bits (cpu_moe_fused.c);
+        the rows are offsets[E].
     loraserve::moe_combine(y, token, weight, tokens) -> out [T, H]
         MoeExperts.combine (index_add_ of the weighted rows, rows ascending), for the paths that keep the
         projections apart (prefill on the AMX kernel, a captured decode's expert LoRA between them).
@@ -18,7 +22,8 @@ Why (benchmarks/results/moe_fused.md): each small op between a layer's expert-we
 layer was ~9 such calls. Where it applies: the CPU, bf16 / fp32, the grouped kernel on (cpu_moe.applies), and
 for moe_experts the decode shapes the vector kernel runs (up to cpu_moe.KERNEL_ROWS_PER_EXPERT rows per expert on
 average; more go to the AMX / grouped_mm projections). LORASERVE_MOE_FUSED=0 turns it off (A/B measurement).
-Fixed shapes, nothing read back: a captured decode records each as one op (workers/tape_graph.py).
+Fixed shapes, nothing read back: a CPU decode graph replays moe_route and moe_experts as their kernel calls
+(workers/cpu_graph.py; both are `native.recordable`), a tape (workers/tape_graph.py) each as one op.
 """
 from __future__ import annotations
 
@@ -47,7 +52,7 @@ _load, available = native.library(
 class _RouteArgs(ctypes.Structure):
     """route_args of cpu_moe_fused.c, field for field."""
     _fields_ = [("logits", _P), ("tokens", _I), ("num_experts", _I), ("top_k", _I), ("normalize", _I),
-                ("weight", _P), ("token", _P), ("expert", _P), ("offsets", _P)]
+                ("weight", _P), ("token", _P), ("expert", _P), ("offsets", _P), ("valid", _P)]
 
 
 class _ExpertsArgs(ctypes.Structure):
@@ -76,30 +81,33 @@ def _status(status: int, op: str) -> None:
 
 
 # ---- routing --------------------------------------------------------------------------------------------------
-def _route_check(logits: torch.Tensor, top_k: int) -> None:
+def _route_check(logits: torch.Tensor, top_k: int, valid: torch.Tensor | None) -> None:
     if logits.dim() != 2 or not logits.is_contiguous() or logits.dtype not in _SUFFIX \
-            or not 1 <= top_k <= logits.shape[1]:
-        raise ValueError(f"moe_route: logits {tuple(logits.shape)} {logits.dtype}, top_k {top_k} (it needs "
-                         "contiguous bf16 / fp32 logits [tokens, experts] and 1 <= top_k <= experts)")
+            or not 1 <= top_k <= logits.shape[1] or not (valid is None or (valid.dtype == torch.int64
+                                                                           and valid.numel() == 1)):
+        raise ValueError(f"moe_route: logits {tuple(logits.shape)} {logits.dtype}, top_k {top_k}, valid "
+                         f"{None if valid is None else (tuple(valid.shape), valid.dtype)} (it needs contiguous bf16 / "
+                         "fp32 logits [tokens, experts], 1 <= top_k <= experts, an int64 count of real tokens or "
+                         "none)")
 
 
-def _route_impl(logits, top_k: int, normalize: bool):
-    _route_check(logits, top_k)
+def _route_impl(logits, top_k: int, normalize: bool, valid: torch.Tensor | None = None):
+    _route_check(logits, top_k, valid)
     T, E = logits.shape
     weight = torch.empty(T * top_k, dtype=logits.dtype)
     token, expert = torch.empty(T * top_k, dtype=torch.int64), torch.empty(T * top_k, dtype=torch.int64)
     offsets = torch.empty(E + 1, dtype=torch.int64)
     args = _RouteArgs(logits.data_ptr(), T, E, top_k, int(normalize), weight.data_ptr(), token.data_ptr(),
-                      expert.data_ptr(), offsets.data_ptr())
-    _status(getattr(_load(), f"moe_route_{_SUFFIX[logits.dtype]}")(ctypes.addressof(args)), "moe_route")
+                      expert.data_ptr(), offsets.data_ptr(), None if valid is None else valid.data_ptr())
+    native.call(getattr(_load(), f"moe_route_{_SUFFIX[logits.dtype]}"), args, lambda s: _status(s, "moe_route"))
     return weight, token, expert, offsets
 
 
-def route(logits: torch.Tensor, top_k: int, normalize: bool):
+def route(logits: torch.Tensor, top_k: int, normalize: bool, valid: torch.Tensor | None = None):
     """(weight, token, expert, offsets) of the rows sorted by expert (see the module docstring)."""
     if native.eager():
-        return _route_impl(logits, top_k, normalize)
-    return torch.ops.loraserve.moe_route(logits, top_k, normalize)
+        return _route_impl(logits, top_k, normalize, valid)
+    return torch.ops.loraserve.moe_route(logits, top_k, normalize, valid)
 
 
 # ---- the experts, whole -----------------------------------------------------------------------------------------
@@ -126,7 +134,7 @@ def _experts_impl(x, w13, w2, offsets, token, weight, lora: _ExpertLoRAArgs | No
     args = _ExpertsArgs(x.data_ptr(), x.stride(0), T, H, w13.shape[1] // 2, w13.shape[0], w13.data_ptr(),
                         w2.data_ptr(), offsets.data_ptr(), token.data_ptr(), weight.data_ptr(), token.shape[0],
                         rows_out.data_ptr(), out.data_ptr(), ctypes.addressof(lora) if lora is not None else 0)
-    _status(getattr(_load(), f"moe_experts_{_SUFFIX[x.dtype]}")(ctypes.addressof(args)), "moe_experts")
+    native.call(getattr(_load(), f"moe_experts_{_SUFFIX[x.dtype]}"), args, lambda s: _status(s, "moe_experts"))
     return out
 
 
@@ -226,17 +234,18 @@ def combine(y: torch.Tensor, token: torch.Tensor, weight: torch.Tensor, tokens: 
 
 
 _LIB = torch.library.Library("loraserve", "FRAGMENT")
-_LIB.define("moe_route(Tensor logits, int top_k, bool normalize) -> (Tensor, Tensor, Tensor, Tensor)")
+_LIB.define("moe_route(Tensor logits, int top_k, bool normalize, Tensor? valid=None) -> (Tensor, Tensor, Tensor, "
+            "Tensor)")
 _LIB.define("moe_experts(Tensor x, Tensor w13, Tensor w2, Tensor offsets, Tensor token, Tensor weight) -> Tensor")
 _LIB.define("moe_combine(Tensor y, Tensor token, Tensor weight, int tokens) -> Tensor")
-_LIB.impl("moe_route", _route_impl, "CPU")
-_LIB.impl("moe_experts", _experts_impl, "CPU")
+_LIB.impl("moe_route", native.recordable(_route_impl), "CPU")
+_LIB.impl("moe_experts", native.recordable(_experts_impl), "CPU")
 _LIB.impl("moe_combine", _combine_impl, "CPU")
 
 
 @torch.library.register_fake("loraserve::moe_route", lib=_LIB)
-def _route_fake(logits, top_k, normalize):
-    _route_check(logits, top_k)
+def _route_fake(logits, top_k, normalize, valid=None):
+    _route_check(logits, top_k, valid)
     n = logits.shape[0] * top_k
     return (logits.new_empty(n), logits.new_empty(n, dtype=torch.int64), logits.new_empty(n, dtype=torch.int64),
             logits.new_empty(logits.shape[1] + 1, dtype=torch.int64))

@@ -16,7 +16,6 @@ from __future__ import annotations
 import re
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from workers.forward_batch import ForwardBatch
@@ -24,7 +23,7 @@ from workers.models import moe_fused
 from workers.models.llama import MLP, LlamaForCausalLM
 from workers.models.loader import _target
 from workers.models.moe_experts import GroupedLinear, MoeExperts, group_rows, num_experts, route_grouped
-from workers.parallel import TPGroup
+from workers.parallel import TPGroup, linear, prepack
 
 # checkpoint keys of the experts: per expert (as saved, as on the Hub) or fused (transformers 5.x in memory)
 _PER_EXPERT = re.compile(r"(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\.weight")
@@ -46,7 +45,7 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts(cfg), cfg.hidden_size), requires_grad=False)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)   # prepacked on the CPU: a decode step's on cpu_gemv.c, a graph's kernel
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self.logits(x)
@@ -70,12 +69,18 @@ class SparseMoeBlock(nn.Module):
         if self.kernel is not None:
             rows = self.kernel.route(x, self.gate, self.experts.num_experts)
         elif grouped and moe_fused.applies(x):   # the softmax, top-k and sort in C
-            rows = route_grouped(self.gate.logits(x), self.gate.top_k, self.gate.norm_topk_prob)
+            rows = route_grouped(self.gate.logits(x), self.gate.top_k, self.gate.norm_topk_prob, self._valid(x, batch))
         else:
             weights, ids = self.gate(x)
             rows = group_rows(weights, ids, self.experts.num_experts, batch.graph_safe or self._graph_lora(batch),
                               grouped)
         return self.tp.all_reduce(self.experts(x, rows, batch.lora))
+
+    def _valid(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor | None:
+        """A captured CPU decode's count of real rows where the fused block runs them (no LoRA): its padded rows
+        then route to no expert instead of streaming up to top_k experts no real token uses."""
+        fused = batch.lora is None and moe_fused.fits(x, self.experts.gate_up_proj.weight, x.shape[0] * self.gate.top_k)
+        return batch.valid_tokens if fused else None
 
     @staticmethod
     def _graph_lora(batch: ForwardBatch) -> bool:
@@ -102,8 +107,9 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         return _target(name, self.packed_modules_mapping)
 
     def prepack_experts(self) -> int:
-        """Every expert projection packed for oneDNN (CPU); returns how many."""
-        return sum(m.prepack() for m in self.modules() if isinstance(m, GroupedLinear))
+        """Every expert projection and router packed for oneDNN (CPU); returns how many."""
+        return sum(m.prepack() if isinstance(m, GroupedLinear) else prepack(m)
+                   for m in self.modules() if isinstance(m, (GroupedLinear, Router)))
 
     def use_moe_kernel(self, kernel) -> int:
         """Every sparse block routes and runs its experts through `kernel` (the NPU's MoE ops); returns how many."""
