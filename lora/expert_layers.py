@@ -35,7 +35,7 @@ class MoeExpertsLoRA(nn.Module):
         super().__init__()
         self.base, self.gate_up_op, self.down_op = base, gate_up, down
         self.fused = fused   # the buffers as the base's fused block reads them (CPU backend), or None
-        self.backend, self.expert_ranks = backend, pool.expert_ranks   # by expert slot, read live (loads update it)
+        self.backend, self.expert_ranks = backend, pool.expert_ranks   # by expert slot, updated in place by loads
         self.expert_slot_of, self.expert_slot_of_device = pool.expert_slot_of, pool.expert_slot_of_device
 
     def __getattr__(self, name):
@@ -59,7 +59,7 @@ class MoeExpertsLoRA(nn.Module):
             return self.backend.graph_info(combined)
         slots = self.token_expert_slots(lora)[rows.token.cpu()]
         combined = torch.where(slots >= 0, slots * E + rows.expert.cpu(), -1)
-        ranks = torch.tensor(self.expert_ranks, dtype=torch.int64).repeat_interleave(E)   # per combined index
+        ranks = self.expert_ranks.repeat_interleave(E)   # per combined index
         info = self.backend.row_batch_info(combined, ranks, lora.phase)
         return info if info.has_lora else None
 
@@ -68,12 +68,23 @@ class MoeExpertsLoRA(nn.Module):
         expert_slot_of = torch.tensor([*self.expert_slot_of, -1])   # token slot -1 (the base) reads the last: -1
         return expert_slot_of[torch.tensor(lora.token_slots_host, dtype=torch.int64)]
 
+    @staticmethod
+    def _computes(lora: LoRABatchInfo | None) -> bool:
+        return lora is not None and any(lora.computes(group) for group in EXPERT_GROUPS)
+
+    def fuses(self, lora: LoRABatchInfo | None) -> bool:
+        """Whether the step runs the base's fused block (without expert LoRA, or with it inside)."""
+        return self.fused is not None or not self._computes(lora)
+
     def forward(self, x: torch.Tensor, rows, lora: LoRABatchInfo | None = None) -> torch.Tensor:
-        if self.fused is not None and lora is not None and lora.has_lora and not lora.use_graph:
+        if self.fused is not None and self._computes(lora):
+            # the static slot buffer in a captured decode; the step's slots on the host eagerly
+            token_slots = (lora.token_slots if lora.use_graph
+                           else torch.tensor(lora.token_slots_host, dtype=torch.int64))
             gate_up = self.gate_up_op is not None and lora.computes("experts_gate_up")
             down = self.down_op is not None and lora.computes("experts_down")
-            y = self.base.forward_lora(x, rows, self.fused, self.token_expert_slots(lora),
-                                       torch.tensor(self.expert_ranks), gate_up, down)
+            y = self.base.forward_lora(x, rows, self.fused, token_slots, self.expert_slot_of_device, self.expert_ranks,
+                                       gate_up, down)
             if y is not None:   # the block ran in one call, the LoRA inside it
                 return y
         info = self.row_info(rows, lora)

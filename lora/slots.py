@@ -138,7 +138,8 @@ class SlotPool:
         self.num_expert_slots = num_slots if num_expert_slots is None else num_expert_slots
         self.slot_ranks: list[int] = [0] * num_slots
         self.slot_groups: list[frozenset[str]] = [frozenset()] * num_slots   # the groups its adapter fills
-        self.expert_ranks: list[int] = [0] * self.num_expert_slots   # by expert slot: its rank, 0 = empty
+        # by expert slot: its rank, 0 = empty (host, written in place: a captured decode's expert LoRA reads it)
+        self.expert_ranks = torch.zeros(self.num_expert_slots, dtype=torch.int64)
         # slot -> its adapter's expert slot (-1: none); the device copy is what a captured decode reads
         self.expert_slot_of: list[int] = [-1] * num_slots
         self.expert_slot_of_device = torch.full((num_slots,), -1, dtype=torch.int64, device=self.device)

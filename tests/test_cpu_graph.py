@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.factories import PROMPTS, make_adapter
-from tests.moe_factories import make_moe_model
+from tests.moe_factories import make_expert_adapter, make_moe_model
 from workers import EngineConfig, LLMEngine, SamplingParams, cpu_gemv, cpu_graph, cpu_ops, tape_graph
 
 pytestmark = pytest.mark.skipif(not (cpu_graph.available() and cpu_ops.available()), reason="needs a C compiler")
@@ -104,6 +104,26 @@ def test_a_moe_step_replays_its_router_routing_and_experts_as_kernels(tmp_path, 
     # a layer: two norms, q/k rope, attention, qkv and o; a sparse one's router, routing and experts (2 of the 3),
     # the dense one's gate_up and down; then the final norm and the LM head
     assert graph.num_torch_ops == 1 and graph.num_kernel_calls == 2 * 9 + 8 + 2 and logits.shape[0] == bucket
+
+
+@pytest.mark.skipif(not cpu_gemv.available(), reason="the router's linear is oneDNN's without the GEMV kernel")
+def test_moe_steps_with_expert_adapters_replay_their_tiers_graph(tmp_path):
+    """Expert LoRA inside the fused block, each row's slot read from the static slot buffer through the pool's slot
+    -> expert slot map: a MoE step with expert adapters (two ranks, one on attention too, one of the 3 rows base) is
+    a graph of kernels, and its tokens and logprobs are the eager step's, bit for bit."""
+    moe = tmp_path / "moe"
+    make_moe_model(moe)
+    adapters = {"e": make_expert_adapter(moe, tmp_path / "e", r=4, target_modules=["q_proj"]),
+                "f": make_expert_adapter(moe, tmp_path / "f", r=8, seed=1)}
+    lora = dict(enable_lora=True, max_lora_rank=8, adapters=adapters)
+    for names in (["e", None, "f"], ["f"] * 3):
+        graphed, graphs = _generate(str(moe), adapters_of=names, **lora)
+        _same(graphed, _generate(str(moe), adapters_of=names, enforce_eager=True, **lora)[0])
+        if 4 > cpu_gemv.max_rows():
+            continue
+        (bucket, tier), = graphs
+        graph, _ = graphs[bucket, tier]
+        assert bucket == 4 and "experts_down" in tier and graph.num_torch_ops == 1
 
 
 def _capture(fn):

@@ -81,8 +81,8 @@ def test_the_block_with_expert_lora_matches_the_separate_lora_calls(tokens, expe
     token_slot = torch.randint(-1, M, (tokens,), generator=gen)   # -1: a base token
     # absent: the other projection has no buffers at all (an adapter set without it), else it is only off this step
     lora = moe_fused.ExpertLoRA(*(op if on or not absent else None for op, on in zip(ops, projections)), experts)
-    got = moe_fused.experts_lora(x, w13, w2, rows.offsets, rows.token, rows.weight, lora, token_slot, ranks,
-                                 *projections)
+    got = moe_fused.experts_lora(x, w13, w2, rows.offsets, rows.token, rows.weight, lora, token_slot,
+                                 torch.arange(M), ranks, *projections)   # LoRA slot m holds expert slot m
     expected = _unfused(x, w13, w2, rows, ops, token_slot, ranks, experts, *projections)
     assert torch.equal(got, expected)
     if (token_slot >= 0).any() and ranks[token_slot.clamp(min=0)].max() > 0:   # the LoRA changed something
@@ -97,21 +97,23 @@ def test_threads_and_bad_operands():
     ops, ranks = _buffers(M, E, H, I, torch.bfloat16, gen)
     rows = moe_experts.route_grouped(torch.randn(tokens, E, generator=gen).to(torch.bfloat16), 4, True)
     lora, token_slot = moe_fused.ExpertLoRA(*ops, E), torch.randint(-1, M, (tokens,), generator=gen)
+    slot_map = torch.arange(M).flip(0)   # LoRA slot m holds expert slot M - 1 - m
     args = (x, w13, w2, rows.offsets, rows.token, rows.weight, lora)
     previous, results = torch.get_num_threads(), []
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            results.append(moe_fused.experts_lora(*args, token_slot, ranks))
+            results.append(moe_fused.experts_lora(*args, token_slot, slot_map, ranks))
     finally:
         torch.set_num_threads(previous)
     assert torch.equal(*results)
-    with pytest.raises(ValueError, match="past the 4 expert slots"):
-        moe_fused.experts_lora(*args, torch.full((tokens,), M), ranks)
+    for slots, to in ((torch.full((tokens,), M), slot_map), (token_slot, torch.full((M,), M))):
+        with pytest.raises(ValueError, match="LoRA slot is past the slot map, or its expert slot past the expert"):
+            moe_fused.experts_lora(*args, slots, to, ranks)
     with pytest.raises(ValueError, match="one per token"):
-        moe_fused.experts_lora(*args, token_slot[1:], ranks)
+        moe_fused.experts_lora(*args, token_slot[1:], slot_map, ranks)
     with pytest.raises(ValueError, match="one rank per each of the 4 expert slots"):
-        moe_fused.experts_lora(*args, token_slot, ranks[:2])
+        moe_fused.experts_lora(*args, token_slot, slot_map, ranks[:2])
     with pytest.raises(ValueError, match="expert LoRA buffers"):
         moe_fused.ExpertLoRA(*ops, E + 1)
 

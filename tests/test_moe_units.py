@@ -204,7 +204,8 @@ def test_expert_slots_hold_every_expert_at_combined_indices_and_clear_to_zero():
         assert torch.equal(a[E + e, R:R + 2], w[1, "experts.up_proj"].lora_a[e])      # slice 1 at row R
         assert torch.equal(b_up[E + e, :, :2], 0.5 * w[1, "experts.up_proj"].lora_b[e])
     assert not a[:E].any() and not a[E:, 2:R].any() and not b_up[E:, :, 2:].any()
-    assert pool.expert_ranks == [0, 2] and pool.slot_ranks == [0, 0, 2] and pool.expert_slot_of == [-1, -1, 1]
+    assert pool.expert_ranks.tolist() == [0, 2] and pool.slot_ranks == [0, 0, 2]
+    assert pool.expert_slot_of == [-1, -1, 1]
     assert pool.expert_slot_of_device.tolist() == [-1, -1, 1]
     o = LoRAWeights(torch.randn(2, H, generator=gen), torch.randn(H, 2, generator=gen), 1.0)
     pool.load(0, LoRAAdapter("b", "src", 2, frozenset({"o_proj"}), {(0, "o_proj"): o}))   # no experts: no expert slot
@@ -213,7 +214,8 @@ def test_expert_slots_hold_every_expert_at_combined_indices_and_clear_to_zero():
         pool.load(1, LoRAAdapter("c", "src", 2, frozenset(), {(0, "experts.down_proj"): w[1, "experts.down_proj"]}), 0)
     pool.clear(2)
     pool.clear(0)
-    assert not any(t.any() for a, bs in pool.buffers.values() for t in (a, *bs)) and pool.expert_ranks == [0, 0]
+    assert not any(t.any() for a, bs in pool.buffers.values() for t in (a, *bs))
+    assert pool.expert_ranks.tolist() == [0, 0]
     assert pool.expert_slot_of == [-1, -1, -1]
 
 

@@ -99,15 +99,24 @@ typedef struct {
 } experts_args;
 
 /* Expert LoRA inside the block: row n (token t, expert e) of a token whose adapter holds expert slot m =
- * token_slot[t] >= 0 gets, after gate_up and after down, the LoRA delta of combined index m * E + e of the slot
- * pool's expert buffers (lora/expert_layers.py), computed by lora/sgmv.h's code on the expert's thread: an expert's
- * rows of one expert slot are one group, rows in order, as the separate sgmv calls group them. */
+ * slot_map[token_slot[t]] >= 0 gets, after gate_up and after down, the LoRA delta of combined index m * E + e of
+ * the slot pool's expert buffers (lora/expert_layers.py), computed by lora/sgmv.h's code on the expert's thread: an
+ * expert's rows of one expert slot are one group, rows in order, as the separate sgmv calls group them. The slots
+ * are read at the call (a captured decode's static slot buffer, the pool's map as loads leave it). */
 typedef struct experts_lora {
-    const int64_t *token_slot;   /* [tokens]: each token's expert slot, -1 none */
+    const int64_t *token_slot;   /* [tokens]: each token's LoRA slot, -1 none */
     const int64_t *rank;         /* [num_expert_slots]: each expert slot's rank (0: empty), clamped to R */
     int64_t num_expert_slots;
     sgmv_args gate_up, down;     /* the buffers' fixed operands; a NULL: that projection has no LoRA this step */
+    const int64_t *slot_map;     /* [num_slots]: each LoRA slot's expert slot, -1 none */
+    int64_t num_slots;
 } experts_lora;
+
+#define BAD_SLOT 3   /* a token's LoRA slot or its expert slot past the slots */
+
+static inline int64_t expert_slot(const experts_lora *l, int64_t t) {
+    return l->token_slot[t] < 0 ? -1 : l->slot_map[l->token_slot[t]];
+}
 
 /* The groups of expert e's rows [0, n) (token[] theirs): each expert slot's rows in order, at most 4n + 1 of
  * scratch; their count. */
@@ -117,14 +126,14 @@ static int64_t lora_groups(const experts_lora *l, int64_t R, int64_t E, int64_t 
     int64_t G = 0, taken = 0;
     (*start)[0] = 0;
     for (int64_t r = 0; r < n; r++) {
-        const int64_t m = l->token_slot[token[r]];
+        const int64_t m = expert_slot(l, token[r]);
         const int64_t k = m < 0 ? 0 : l->rank[m] < R ? l->rank[m] : R;
         int seen = 0;
-        for (int64_t q = 0; q < r && !seen; q++) seen = l->token_slot[token[q]] == m;
+        for (int64_t q = 0; q < r && !seen; q++) seen = expert_slot(l, token[q]) == m;
         if (k <= 0 || seen) continue;
         (*slot)[G] = m * E + e, (*rank)[G] = k;
         for (int64_t q = r; q < n; q++)
-            if (l->token_slot[token[q]] == m) (*rows)[taken++] = q;
+            if (expert_slot(l, token[q]) == m) (*rows)[taken++] = q;
         (*start)[++G] = taken;
     }
     return G;
@@ -240,9 +249,9 @@ int NAME(const experts_args *a) {                                               
         }                                                                                                \
     const experts_lora *l = a->lora;                                                                     \
     for (int64_t t = 0; l && t < a->tokens; t++)                                                         \
-        if (l->token_slot[t] >= l->num_expert_slots) {                                                   \
+        if (l->token_slot[t] >= l->num_slots || expert_slot(l, t) >= l->num_expert_slots) {              \
             free(experts);                                                                               \
-            return OUT_OF_RANGE;                                                                         \
+            return BAD_SLOT;                                                                             \
         }                                                                                                \
     for (int64_t i = 0; i < active; i++)                                                                 \
         most = off[experts[i] + 1] - off[experts[i]] > most ? off[experts[i] + 1] - off[experts[i]] : most; \

@@ -194,14 +194,20 @@ class MoeExperts(nn.Module):
         """The expert LoRA buffers as the fused block reads them (moe_fused.expert_lora), or None."""
         return moe_fused.expert_lora(gate_up, down, self.num_experts)
 
-    def forward_lora(self, x: torch.Tensor, rows: ExpertRows, lora: moe_fused.ExpertLoRA, token_slot: torch.Tensor,
-                     ranks: torch.Tensor, gate_up: bool, down: bool) -> torch.Tensor | None:
+    def forward_lora(self, x: torch.Tensor, rows: ExpertRows, lora: moe_fused.ExpertLoRA, token_slots: torch.Tensor,
+                     slot_map: torch.Tensor, ranks: torch.Tensor, gate_up: bool, down: bool) -> torch.Tensor | None:
         """forward's fused block with each row's expert LoRA inside (moe_fused.experts_lora); None where the block
         does not run this step (the caller adds the LoRA between the separate projections)."""
         if rows.offsets is None or not moe_fused.fits(x, self.gate_up_proj.weight, rows.token.shape[0]):
             return None
         return moe_fused.experts_lora(x, self.gate_up_proj.weight, self.down_proj.weight, rows.offsets, rows.token,
-                                      rows.weight, lora, token_slot, ranks, gate_up, down)
+                                      rows.weight, lora, token_slots, slot_map, ranks, gate_up, down)
+
+    @staticmethod
+    def fuses(lora) -> bool:
+        """Whether a step with this LoRA info runs the whole block in one call where it fits (the LoRA wrapper's
+        answer depends on its adapters): its rows may then end at offsets[E]."""
+        return True
 
 
 def route_grouped(logits: torch.Tensor, top_k: int, normalize: bool, valid: torch.Tensor | None = None) -> ExpertRows:

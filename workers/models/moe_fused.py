@@ -11,24 +11,29 @@
         every active expert's gathered rows through gate_up, SiLU-and-mul and down (cpu_moe.c's vector block),
         then each token's rows weighted and summed: MoeExperts.forward in one call, its bits (cpu_moe_fused.c);
         the rows are offsets[E].
+    loraserve::moe_experts_lora(x, w13, w2, offsets, token, weight, token_slots, slot_map, ranks, lora, gate_up,
+                                down) -> out [T, H]
+        moe_experts with each row's expert LoRA added right after its gate_up and down by the CPU LoRA kernel's
+        code (lora/sgmv.h): a decode step with expert adapters in one call, the separate calls' bits. Each token's
+        LoRA slot goes through slot_map (the slot pool's slot -> expert slot) at the call, so a captured decode
+        replays it on its static slot buffer.
     loraserve::moe_combine(y, token, weight, tokens) -> out [T, H]
         MoeExperts.combine (index_add_ of the weighted rows, rows ascending), for the paths that keep the
-        projections apart (prefill on the AMX kernel, a captured decode's expert LoRA between them).
-    experts_lora(..., ExpertLoRA, token_slot, ranks): moe_experts with each row's expert LoRA added right after its
-        gate_up and down by the CPU LoRA kernel's code (lora/sgmv.h): an eager decode step with expert adapters in
-        one call, the separate calls' bits (a direct call, not an op: eager only).
+        projections apart (prefill on the AMX kernel).
 
 Why (benchmarks/results/moe_fused.md): each small op between a layer's expert-weight streams runs on cold caches; a decode
 layer was ~9 such calls. Where it applies: the CPU, bf16 / fp32, the grouped kernel on (cpu_moe.applies), and
 for moe_experts the decode shapes the vector kernel runs (up to cpu_moe.KERNEL_ROWS_PER_EXPERT rows per expert on
 average; more go to the AMX / grouped_mm projections). LORASERVE_MOE_FUSED=0 turns it off (A/B measurement).
-Fixed shapes, nothing read back: a CPU decode graph replays moe_route and moe_experts as their kernel calls
-(workers/cpu_graph.py; both are `native.recordable`), a tape (workers/tape_graph.py) each as one op.
+Fixed shapes, nothing read back: a CPU decode graph replays moe_route, moe_experts and moe_experts_lora as their
+kernel calls (workers/cpu_graph.py; they are `native.recordable`), a tape (workers/tape_graph.py) each as one op.
 """
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
+import weakref
 from pathlib import Path
 
 import torch
@@ -40,7 +45,7 @@ from workers.models import cpu_moe
 SOURCE = Path(__file__).with_name("cpu_moe_fused.c")
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _P, _I = ctypes.c_void_p, ctypes.c_int64
-OUT_OF_MEMORY, OUT_OF_RANGE = 1, 2   # the kernels' nonzero returns (moe_gemm.h)
+OUT_OF_MEMORY, OUT_OF_RANGE, BAD_SLOT = 1, 2, 3   # the kernels' nonzero returns (moe_gemm.h, cpu_moe_fused.c)
 ENABLED = os.environ.get("LORASERVE_MOE_FUSED", "1") != "0"
 
 _load, available = native.library(
@@ -65,7 +70,7 @@ class _ExpertsArgs(ctypes.Structure):
 class _ExpertLoRAArgs(ctypes.Structure):
     """experts_lora of cpu_moe_fused.c, field for field."""
     _fields_ = [("token_slot", _P), ("rank", _P), ("num_expert_slots", _I), ("gate_up", cpu_sgmv._Args),
-                ("down", cpu_sgmv._Args)]
+                ("down", cpu_sgmv._Args), ("slot_map", _P), ("num_slots", _I)]
 
 
 def applies(x: torch.Tensor) -> bool:
@@ -76,6 +81,8 @@ def applies(x: torch.Tensor) -> bool:
 def _status(status: int, op: str) -> None:
     if status == OUT_OF_MEMORY:
         raise MemoryError(f"{op}: out of memory for its scratch")
+    if status == BAD_SLOT:
+        raise ValueError(f"{op}: a token's LoRA slot is past the slot map, or its expert slot past the expert slots")
     if status != 0:
         raise ValueError(f"{op}: offsets must rise from 0 to the row count and each row's token be one of x's")
 
@@ -134,6 +141,7 @@ def _experts_impl(x, w13, w2, offsets, token, weight, lora: _ExpertLoRAArgs | No
     args = _ExpertsArgs(x.data_ptr(), x.stride(0), T, H, w13.shape[1] // 2, w13.shape[0], w13.data_ptr(),
                         w2.data_ptr(), offsets.data_ptr(), token.data_ptr(), weight.data_ptr(), token.shape[0],
                         rows_out.data_ptr(), out.data_ptr(), ctypes.addressof(lora) if lora is not None else 0)
+    args.keep = lora   # the LoRA operands' struct lives as long as a recorded call
     native.call(getattr(_load(), f"moe_experts_{_SUFFIX[x.dtype]}"), args, lambda s: _status(s, "moe_experts"))
     return out
 
@@ -155,7 +163,7 @@ def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offsets: torch
 class ExpertLoRA:
     """One MoE layer's expert LoRA buffers (the slot pool's: lora/slots.py, never moved) as moe_experts reads them:
     each projection's LoRA computed by the CPU LoRA kernel's code (lora/sgmv.h) inside the block, the same bits as
-    its separate calls. Eager steps only (a captured decode keeps the separate, graph-safe calls).
+    its separate calls. Known to the op `moe_experts_lora` by its id (an op's schema takes no struct).
 
     gate_up, down: (a, b slices, offsets, a_shared) of the projection's expert buffers, None where it has none."""
 
@@ -168,27 +176,29 @@ class ExpertLoRA:
             raise ValueError(f"expert LoRA buffers of ranks {ranks} and slots {slots} for {num_experts} experts")
         self.dtype = next(iter(self.prepared.values())).dtype
         self.num_expert_slots = next(iter(slots)) // num_experts
-        self.args = _ExpertLoRAArgs(0, 0, self.num_expert_slots)
-        self.a = {}
-        for name, prepared in self.prepared.items():
-            setattr(self.args, name, prepared.args)
-            self.a[name] = prepared.args.a
+        self.id = next(_ids)
+        _EXPERT_LORAS[self.id] = self
 
-    def bind(self, token_slot: torch.Tensor, ranks: torch.Tensor, gate_up: bool, down: bool) -> _ExpertLoRAArgs:
-        """The arguments for one call: each token's expert slot (-1: none), each expert slot's rank, and which
-        projections take their LoRA this step (the tensors must live through the call)."""
-        if not (token_slot.dtype == ranks.dtype == torch.int64 and token_slot.dim() == 1 and token_slot.is_contiguous()
-                and ranks.shape == (self.num_expert_slots,) and ranks.is_contiguous()):
-            raise ValueError(f"expert LoRA: token slots {tuple(token_slot.shape)} {token_slot.dtype}, ranks "
-                             f"{tuple(ranks.shape)} {ranks.dtype} (int64, one rank per each of the "
-                             f"{self.num_expert_slots} expert slots)")
-        if token_slot.numel() and int(token_slot.max()) >= self.num_expert_slots:
-            raise ValueError(f"expert LoRA: a token's expert slot {int(token_slot.max())} is past the "
-                             f"{self.num_expert_slots} expert slots")
-        self.args.token_slot, self.args.rank = token_slot.data_ptr(), ranks.data_ptr()
-        self.args.gate_up.a = self.a["gate_up"] if gate_up and "gate_up" in self.a else 0
-        self.args.down.a = self.a["down"] if down and "down" in self.a else 0
-        return self.args
+    def bind(self, token_slots: torch.Tensor, slot_map: torch.Tensor, ranks: torch.Tensor, gate_up: bool,
+             down: bool) -> _ExpertLoRAArgs:
+        """A fresh argument struct for one call (a recorded call keeps its own): each token's LoRA slot (-1: none),
+        each LoRA slot's expert slot (-1: none), each expert slot's rank, and which projections take their LoRA.
+        Their values are checked by the kernel, at the call."""
+        vectors = (token_slots, slot_map, ranks)
+        if not all(t.dtype == torch.int64 and t.dim() == 1 and t.is_contiguous() for t in vectors) \
+                or ranks.shape != (self.num_expert_slots,):
+            raise ValueError(f"expert LoRA: token slots {tuple(token_slots.shape)} {token_slots.dtype}, slot map "
+                             f"{tuple(slot_map.shape)} {slot_map.dtype}, ranks {tuple(ranks.shape)} {ranks.dtype} "
+                             f"(int64, one rank per each of the {self.num_expert_slots} expert slots)")
+        operands = {name: prepared.args for name, prepared in self.prepared.items()
+                    if (gate_up if name == "gate_up" else down)}
+        return _ExpertLoRAArgs(token_slots.data_ptr(), ranks.data_ptr(), self.num_expert_slots,
+                               operands.get("gate_up", cpu_sgmv._Args()), operands.get("down", cpu_sgmv._Args()),
+                               slot_map.data_ptr(), slot_map.shape[0])
+
+
+_ids = itertools.count()
+_EXPERT_LORAS: weakref.WeakValueDictionary[int, ExpertLoRA] = weakref.WeakValueDictionary()
 
 
 def expert_lora(gate_up: tuple | None, down: tuple | None, num_experts: int) -> ExpertLoRA | None:
@@ -202,14 +212,26 @@ def expert_lora(gate_up: tuple | None, down: tuple | None, num_experts: int) -> 
         return None
 
 
+def _experts_lora_impl(x, w13, w2, offsets, token, weight, token_slots, slot_map, ranks, lora: int, gate_up: bool,
+                       down: bool):
+    expert_lora = _EXPERT_LORAS[lora]
+    if token_slots.shape != (x.shape[0],) or x.dtype != expert_lora.dtype:
+        raise ValueError(f"expert LoRA: {tuple(token_slots.shape)} token slots for x {tuple(x.shape)} {x.dtype} "
+                         f"(one per token; the buffers are {expert_lora.dtype})")
+    return _experts_impl(x, w13, w2, offsets, token, weight, expert_lora.bind(token_slots, slot_map, ranks, gate_up,
+                                                                              down))
+
+
 def experts_lora(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor, token: torch.Tensor,
-                 weight: torch.Tensor, lora: ExpertLoRA, token_slot: torch.Tensor, ranks: torch.Tensor,
-                 gate_up: bool = True, down: bool = True) -> torch.Tensor:
-    """`experts` with each row's expert LoRA added after its projections (ExpertLoRA.bind's arguments)."""
-    if token_slot.shape != (x.shape[0],) or x.dtype != lora.dtype:
-        raise ValueError(f"expert LoRA: {tuple(token_slot.shape)} token slots for x {tuple(x.shape)} {x.dtype} "
-                         f"(one per token; the buffers are {lora.dtype})")
-    return _experts_impl(x, w13, w2, offsets, token, weight, lora.bind(token_slot, ranks, gate_up, down))
+                 weight: torch.Tensor, lora: ExpertLoRA, token_slots: torch.Tensor, slot_map: torch.Tensor,
+                 ranks: torch.Tensor, gate_up: bool = True, down: bool = True) -> torch.Tensor:
+    """`experts` with each row's expert LoRA added after its projections (ExpertLoRA.bind's arguments); a CPU decode
+    graph replays it as its kernel call, reading the slots as they are at each replay."""
+    if native.eager():
+        return _experts_lora_impl(x, w13, w2, offsets, token, weight, token_slots, slot_map, ranks, lora.id, gate_up,
+                                  down)
+    return torch.ops.loraserve.moe_experts_lora(x, w13, w2, offsets, token, weight, token_slots, slot_map, ranks,
+                                                lora.id, gate_up, down)
 
 
 # ---- the combine alone ------------------------------------------------------------------------------------------
@@ -240,6 +262,9 @@ _LIB.define("moe_experts(Tensor x, Tensor w13, Tensor w2, Tensor offsets, Tensor
 _LIB.define("moe_combine(Tensor y, Tensor token, Tensor weight, int tokens) -> Tensor")
 _LIB.impl("moe_route", native.recordable(_route_impl), "CPU")
 _LIB.impl("moe_experts", native.recordable(_experts_impl), "CPU")
+_LIB.define("moe_experts_lora(Tensor x, Tensor w13, Tensor w2, Tensor offsets, Tensor token, Tensor weight, "
+            "Tensor token_slots, Tensor slot_map, Tensor ranks, int lora, bool gate_up, bool down) -> Tensor")
+_LIB.impl("moe_experts_lora", native.recordable(_experts_lora_impl), "CPU")
 _LIB.impl("moe_combine", _combine_impl, "CPU")
 
 
@@ -253,6 +278,12 @@ def _route_fake(logits, top_k, normalize, valid=None):
 
 @torch.library.register_fake("loraserve::moe_experts", lib=_LIB)
 def _experts_fake(x, w13, w2, offsets, token, weight):
+    _experts_check(x, w13, w2, offsets, token, weight)
+    return x.new_empty(x.shape)
+
+
+@torch.library.register_fake("loraserve::moe_experts_lora", lib=_LIB)
+def _experts_lora_fake(x, w13, w2, offsets, token, weight, token_slots, slot_map, ranks, lora, gate_up, down):
     _experts_check(x, w13, w2, offsets, token, weight)
     return x.new_empty(x.shape)
 

@@ -77,9 +77,10 @@ class SparseMoeBlock(nn.Module):
         return self.tp.all_reduce(self.experts(x, rows, batch.lora))
 
     def _valid(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor | None:
-        """A captured CPU decode's count of real rows where the fused block runs them (no LoRA): its padded rows
-        then route to no expert instead of streaming up to top_k experts no real token uses."""
-        fused = batch.lora is None and moe_fused.fits(x, self.experts.gate_up_proj.weight, x.shape[0] * self.gate.top_k)
+        """A captured CPU decode's count of real rows where the fused block runs them: its padded rows then route
+        to no expert instead of streaming up to top_k experts no real token uses."""
+        fused = (moe_fused.fits(x, self.experts.gate_up_proj.weight, x.shape[0] * self.gate.top_k)
+                 and self.experts.fuses(batch.lora))
         return batch.valid_tokens if fused else None
 
     @staticmethod
