@@ -108,6 +108,23 @@ def test_report_keeps_the_note_under_the_targets_table(tmp_path):
     assert text.index("## Targets") < text.index("The serving rows") < text.index("## Details") < text.index("### Mine")
 
 
+def test_a_regenerated_report_carries_over_the_hand_written_sessions(tmp_path):
+    """`make bench` rewrites RESULTS.md from the JSONs: the dated sessions' findings, kept between markers in the
+    file alone, stay (before the plots), once."""
+    from benchmarks.report import KEPT_END, KEPT_START, write_report
+
+    results, out = tmp_path / "results", tmp_path / "RESULTS.md"
+    results.mkdir()
+    (results / "zz_mine.md").write_text("### Mine\n")
+    out.write_text(f"# old\n\n{KEPT_START}\n### 2026-12-06, a session\n\nratio 1.15\n{KEPT_END}\n\n## Plots\n")
+    for _ in range(2):
+        text = write_report(results, out, plots=False).read_text()
+        assert text.count("### 2026-12-06, a session\n\nratio 1.15") == 1 and "# old" not in text
+        assert text.index("### Mine") < text.index(KEPT_START) < text.index(KEPT_END)
+    out.write_text("# a file without the markers\n")
+    assert KEPT_START not in write_report(results, out, plots=False).read_text()
+
+
 def test_a_run_on_more_threads_is_written_beside_the_one_thread_run(monkeypatch):
     from benchmarks import common
 
