@@ -118,6 +118,44 @@ def test_threads_and_bad_operands():
         moe_fused.ExpertLoRA(*ops, E + 1)
 
 
+def test_a_cpu_graph_replays_the_block_as_kernel_calls_reading_the_slots_at_each_replay():
+    """Routing, then the block with its expert LoRA, captured as a CPU decode graph: two kernel calls, no torch op;
+    replayed after new logits, token slots, a remapped slot (a load) and a changed rank, it gives what an eager call
+    gives on those values."""
+    from workers import cpu_graph
+
+    gen = torch.Generator().manual_seed(5)
+    tokens, E, H, I, M = 6, 8, 64, 24, 3
+    x = torch.randn(tokens, H, generator=gen).to(torch.bfloat16)
+    w13 = (torch.randn(E, 2 * I, H, generator=gen) / 8).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, I, generator=gen) / 5).to(torch.bfloat16)
+    ops, ranks = _buffers(M, E, H, I, torch.bfloat16, gen)
+    lora = moe_fused.ExpertLoRA(*ops, E)
+    logits = torch.randn(tokens, E, generator=gen).to(torch.bfloat16)
+    valid, token_slots = torch.tensor([tokens - 1]), torch.tensor([0, -1, 1, 2, 0, 1])   # the last row: padding
+    slot_map = torch.tensor([2, 0, -1, 1])   # LoRA slot -> expert slot (slot 2 holds an adapter without experts)
+
+    def step():
+        weight, token, _, offsets = moe_fused.route(logits, 2, True, valid)
+        return moe_fused.experts_lora(x, w13, w2, offsets, token, weight, lora, token_slots, slot_map, ranks)
+
+    graph = cpu_graph.CPUGraph()
+    with torch.inference_mode(), cpu_graph.graph(graph):
+        out = step()
+    assert graph.num_torch_ops == 0 and graph.num_kernel_calls == 2
+    logits.copy_(torch.randn(tokens, E, generator=gen))
+    token_slots.copy_(torch.tensor([3, 3, 0, -1, 1, 2]))
+    slot_map[3], ranks[0] = 2, 7
+    graph.replay()
+    expected = step()
+    assert torch.equal(out, expected) and not out[-1].any()
+    with_lora = out.clone()
+    slot_map.fill_(-1)   # every adapter unloaded: the base block
+    graph.replay()
+    weight, token, _, offsets = moe_fused.route(logits, 2, True, valid)
+    assert torch.equal(out, moe_fused.experts(x, w13, w2, offsets, token, weight)) and not torch.equal(out, with_lora)
+
+
 # ---- an engine whose eager decode steps run it ---------------------------------------------------------------
 @pytest.fixture(scope="module")
 def moe_files(tmp_path_factory):
