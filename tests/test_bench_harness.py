@@ -111,7 +111,10 @@ def test_report_keeps_the_note_under_the_targets_table(tmp_path):
 def test_a_regenerated_report_carries_over_the_hand_written_sessions(tmp_path):
     """`make bench` rewrites RESULTS.md from the JSONs: the dated sessions' findings, kept between markers in the
     file alone, stay (before the plots), once."""
-    from benchmarks.report import KEPT_END, KEPT_START, write_report
+    from benchmarks.marked import KEPT
+    from benchmarks.report import write_report
+
+    KEPT_START, KEPT_END = KEPT
 
     results, out = tmp_path / "results", tmp_path / "RESULTS.md"
     results.mkdir()
@@ -123,6 +126,18 @@ def test_a_regenerated_report_carries_over_the_hand_written_sessions(tmp_path):
         assert text.index("### Mine") < text.index(KEPT_START) < text.index(KEPT_END)
     out.write_text("# a file without the markers\n")
     assert KEPT_START not in write_report(results, out, plots=False).read_text()
+
+
+def test_the_readme_table_is_replaced_between_its_markers_only(tmp_path):
+    from benchmarks.marked import README_TABLE, replace
+
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n{README_TABLE[0]}\nold table\n{README_TABLE[1]}\n\nafter\n")
+    replace(readme, README_TABLE, "new table")
+    assert readme.read_text() == f"# x\n\n{README_TABLE[0]}\nnew table\n{README_TABLE[1]}\n\nafter\n"
+    readme.write_text("# no markers\n")
+    replace(readme, README_TABLE, "new table")
+    assert readme.read_text() == "# no markers\n"
 
 
 def test_a_run_on_more_threads_is_written_beside_the_one_thread_run(monkeypatch):
