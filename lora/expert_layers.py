@@ -47,7 +47,7 @@ class MoeExpertsLoRA(nn.Module):
     def row_info(self, rows, lora: LoRABatchInfo | None) -> LoRABatchInfo | None:
         """The rows' LoRA batch info over combined (slot, expert) indices; None when no row has an adapter
         or no adapter of the step targets the experts (lora.groups)."""
-        if lora is None or not any(lora.computes(group) for group in EXPERT_GROUPS):
+        if not self._computes(lora):
             return None
         E = self.base.num_experts
         if lora.use_graph:   # on the device, fixed shapes: an index per row, -1 for base rows

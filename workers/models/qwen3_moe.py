@@ -79,6 +79,8 @@ class SparseMoeBlock(nn.Module):
     def _valid(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor | None:
         """A captured CPU decode's count of real rows where the fused block runs them: its padded rows then route
         to no expert instead of streaming up to top_k experts no real token uses."""
+        if batch.valid_tokens is None:   # every eager step: all its rows are real
+            return None
         fused = (moe_fused.fits(x, self.experts.gate_up_proj.weight, x.shape[0] * self.gate.top_k)
                  and self.experts.fuses(batch.lora))
         return batch.valid_tokens if fused else None
