@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import random
@@ -31,6 +32,7 @@ from benchmarks.fleet_adapters import ensure_fleet_adapters
 from benchmarks.fleet_client import drive, prompt_ids
 from benchmarks.fleet_metrics import counters, hit_rate_series, recovery, summarize
 from benchmarks.fleet_report import markdown, row
+from benchmarks.replica_cpu import ReplicaQuota
 from benchmarks.fleet_workload import FLEET, TRACE_CITATION, FleetSpec, Phase, Request, adapter_names, make_workload
 from benchmarks.trees import alternating
 
@@ -129,7 +131,7 @@ def run_once(url: str, app: str, warm: list[Request], timed: list[Request], seed
     records, wall = asyncio.run(drive(url, BASE, timed, prompts, DRAIN_S, on_start))
     time.sleep(SETTLE_S)
     polls = [(t - started["at"], snapshot) for t, snapshot in poller.stop()]
-    out = {"summary": summarize(records, polls, num_replicas), "wall_s": wall,
+    out = {"summary": summarize(records, polls, num_replicas, adapter_names(FLEET.num_adapters)), "wall_s": wall,
            "warmup": {"requests": len(warm_records), "not_ok": sum(r["outcome"] != "ok" for r in warm_records)},
            "per_replica": per_replica(records)}
     series = hit_rate_series(polls, HIT_WINDOW_S)
@@ -158,12 +160,32 @@ def plan(quick: bool, pairs: int) -> list[tuple[str, str]]:
     return order
 
 
+def run_all(order: list[tuple[str, str]], runs: list[dict], url: str, fleet: FleetSpec, duration: float,
+            vocab_size: int, quota: ReplicaQuota | None) -> None:
+    for setting, routing in order:
+        index = list(SETTINGS).index(setting)
+        warm, timed = workloads(SETTINGS[setting], index, fleet, duration)
+        kill = routing.endswith("+kill")
+        name = app_name(routing.removesuffix("+kill"))
+        before = quota.throttled_s() if quota else {}
+        got = run_once(f"{url}/{name}", name, warm, timed, index, vocab_size, fleet.replicas,
+                       KILL_AT_S * duration / fleet.duration_s if kill else None)
+        if quota:   # seconds each replica of this app sat at its quota during the run (warm-up included)
+            got["throttled_s"] = {group: round(s - before.get(group, 0.0), 2)
+                                  for group, s in quota.throttled_s().items() if name in group}
+        runs.append({"setting": setting, "routing": routing, **got})
+        print(f"[fleet] {setting} {routing}: " + " | ".join(row(len(runs), runs[-1])[2:]) +
+              (f"; hit rate back at 0.9 after {got['kill']['back_after_s']} s" if kill else ""), flush=True)
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="Zipf 1.0 only, 20 s runs, then the kill (~4 min)")
     parser.add_argument("--pairs", type=int, default=2, help="runs of each routing at Zipf 1.0 (a, b, b, a)")
     parser.add_argument("--no-kill", action="store_true", help="skip the replica-kill run")
     parser.add_argument("--rate", type=float, default=None, help="probe another rate than FLEET.rate (req/s)")
+    parser.add_argument("--replica-cpus", type=float, default=None,
+                        help="a CPU quota per replica, in cores (benchmarks/replica_cpu.py; needs root)")
     parser.add_argument("--routing-options", type=json.loads, default=None,
                         help='probe AffinityPolicy knobs for ours, e.g. \'{"min_spill_load": 8}\'')
     args = parser.parse_args(argv)
@@ -188,25 +210,19 @@ def main(argv=None) -> dict:
         order = plan(args.quick, 1 if args.quick else args.pairs)
         if not args.no_kill:
             order.append((ACCEPTANCE_SETTING, "adapter-affinity+kill"))
-        for setting, routing in order:
-            index = list(SETTINGS).index(setting)
-            warm, timed = workloads(SETTINGS[setting], index, fleet, duration)
-            kill = routing.endswith("+kill")
-            name = app_name(routing.removesuffix("+kill"))
-            got = run_once(f"{url}/{name}", name, warm, timed, index, vocab_size, fleet.replicas,
-                           KILL_AT_S * duration / fleet.duration_s if kill else None)
-            runs.append({"setting": setting, "routing": routing, **got})
-            print(f"[fleet] {setting} {routing}: " + " | ".join(row(len(runs), runs[-1])[2:]) +
-                  (f"; hit rate back at 0.9 after {got['kill']['back_after_s']} s" if kill else ""), flush=True)
+        quota = ReplicaQuota([app_name(r) for r in ROUTINGS], args.replica_cpus) if args.replica_cpus else None
+        with quota or contextlib.nullcontext():
+            run_all(order, runs, url, fleet, duration, vocab_size, quota)
     records_path = Path(adapters[next(iter(adapters))]).parent.parent / f"records-{int(began)}.json"
     records_path.write_text(json.dumps([{k: r[k] for k in ("setting", "routing", "records")} for r in runs]))
     result = {"benchmark": "fleet", "quick": args.quick, "fleet": dataclasses.asdict(fleet),
-              "routing_options": args.routing_options or {},
+              "routing_options": args.routing_options or {}, "replica_cpus": args.replica_cpus,
               "duration_s": duration, "trace": TRACE_CITATION, "machine": machine_info(),
               "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(began)),
               "wall_s": time.time() - began, "order": [f"{s}/{r}" for s, r in order],
               "runs": [{k: v for k, v in r.items() if k != "records"} for r in runs]}
-    name = "fleet" + ("_quick" if args.quick else "") + (f"_rate{args.rate:g}" if args.rate else "") + "".join(
+    name = "fleet" + ("_quick" if args.quick else "") + (f"_rate{args.rate:g}" if args.rate else "") + (
+        f"_cpus{args.replica_cpus:g}" if args.replica_cpus else "") + "".join(
         f"_{key}{value}" for key, value in sorted((args.routing_options or {}).items()))
     print(write_result(name, result))
     (RESULTS / f"{name}.md").write_text(markdown(result))

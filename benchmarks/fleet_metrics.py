@@ -70,18 +70,22 @@ def recovery(series: list[tuple[float, float | None, int]], at: float, threshold
             "windows_at_or_above_since": (sum(r >= threshold for r in since) / len(since)) if since else None}
 
 
-def placement(records: list[dict]) -> dict:
-    """Where requests went against each adapter's rendezvous order over the replicas seen (what our router's home
-    is; Serve's routing has none): the share served by the adapter's 1st, 2nd, ... replica, and how many
-    adapters were served by more than one replica."""
+def placement(records: list[dict], adapters: list[str] = ()) -> dict:
+    """Where requests went against each adapter's order over the replicas seen (our router's: its home among the
+    app's `adapters`, deployments/routing/prefetch.py `bounded_homes`, then rendezvous order; Serve's routing has
+    none): the share served by the adapter's 1st, 2nd, ... replica, and how many adapters were served by more
+    than one replica."""
+    from deployments.routing.prefetch import bounded_homes
     from deployments.routing.views import rendezvous_score
 
     served = [r for r in records if r["replica"]]
     replicas = sorted({r["replica"] for r in served})
+    homes = bounded_homes(list(adapters), replicas)   # given the app's adapters: the home first, as our router
     ranks = [0] * len(replicas)
     holders: dict[str, set] = {}
     for r in served:
-        order = sorted(replicas, key=lambda x: rendezvous_score(r["adapter"], x), reverse=True)
+        order = sorted(replicas, key=lambda x: (x == homes.get(r["adapter"]), rendezvous_score(r["adapter"], x)),
+                       reverse=True)
         ranks[order.index(r["replica"])] += 1
         holders.setdefault(r["adapter"], set()).add(r["replica"])
     return {"served_at_hash_rank": [n / len(served) for n in ranks] if served else [],
@@ -109,7 +113,8 @@ def imbalance(records: list[dict], num_replicas: int, window_s: float = 10.0, st
     return {"p50": percentile(ratios, 50), "p99": percentile(ratios, 99), "windows": len(ratios)}
 
 
-def summarize(records: list[dict], polls: list[tuple[float, dict]], num_replicas: int) -> dict:
+def summarize(records: list[dict], polls: list[tuple[float, dict]], num_replicas: int,
+              adapters: list[str] = ()) -> dict:
     ok = [r for r in records if r["outcome"] == "ok"]
     ttft = [1e3 * (r["first"] - r["sent"]) for r in ok]
     tpot = [1e3 * (r["last"] - r["first"]) / (r["tokens"] - 1) for r in ok if r["tokens"] > 1]
@@ -127,7 +132,7 @@ def summarize(records: list[dict], polls: list[tuple[float, dict]], num_replicas
         "output_tok_s": sum(r["tokens"] for r in ok) / span if span else 0.0,
         "imbalance": imbalance(records, num_replicas),
         "adapters_per_step": total["step_adapters"] / total["steps"] if total["steps"] else None,
-        "replicas_used": len({r["replica"] for r in records if r["replica"]}), "placement": placement(records),
+        "replicas_used": len({r["replica"] for r in records if r["replica"]}), "placement": placement(records, adapters),
         "error_samples": sorted({r["error"] for r in records if r["error"]})[:5],
     }
 

@@ -5,7 +5,8 @@ What it models, and where the rule comes from:
   multiplexed loader, which loads an adapter it does not hold under one replica-wide lock (ray/serve/multiplex.py
   `load_model`, `_model_cache_lock`): cold loads are serialised, `disk_load_s` each. The host cache is an LRU of
   `max_loaded_loras`; an adapter that running requests use is never evicted (lora/cache.py reference counts), nor
-  here one that a waiting request needs (the engine would read it again at admission: a second cold load).
+  here one that a waiting request needs (the engine would read it again at admission: a second cold load); a copy
+  of another replica's home adapter goes first if it is in the older half (lora/cache.py `prefer_evicting`).
 - Admission (benchmarks/fleet_admission.py): the engine's own LoRABudget and admission order, driven as
   workers/controller.py drives them: the budget rotates among waiting adapters by age, a holder paused for an
   older waiter keeps its sequence place and sits the step out; `max_num_seqs` and the step's token budget
@@ -95,6 +96,7 @@ class Replica:
         self.cold_loads = 0
         self.steps = 0
         self.adapters_per_step = 0
+        self.evict_first: frozenset[str] = frozenset()      # its copies of other replicas' home adapters
 
     # ---- arrival and adapter loads ------------------------------------------------------------------------
     def arrive(self, req: SimRequest, now: float) -> str | None:
@@ -149,16 +151,21 @@ class Replica:
 
     def _evict_for_one(self) -> None:
         while len(self.host) >= self.spec.max_loaded_loras:
-            victim = next((a for a in self.host if a not in self.uses and a not in self.queued), None)
+            victim = self._victim()
             if victim is None:
                 return                      # every cached adapter is in use: the cache grows past its size
             del self.host[victim]
             self.slots.pop(victim, None)
 
     def evicts_next(self) -> str | None:
-        if len(self.host) < self.spec.max_loaded_loras:
-            return None
-        return next((a for a in self.host if a not in self.uses and a not in self.queued), None)
+        return self._victim() if len(self.host) >= self.spec.max_loaded_loras else None
+
+    def _victim(self) -> str | None:
+        """lora/cache.py `_victim`: the least recently used that nothing holds, a copy of another replica's home
+        adapter first if one is in the older half."""
+        evictable = [a for a in self.host if a not in self.uses and a not in self.queued]
+        older = evictable[:max(1, len(evictable) // 2)]
+        return next((a for a in older if a in self.evict_first), older[0] if older else None)
 
     # ---- a step -------------------------------------------------------------------------------------------
     def has_work(self) -> bool:

@@ -57,6 +57,10 @@ def markdown(result: dict) -> str:
              f"({'quick' if result['quick'] else 'full'} run, {result['started']}, {result['wall_s'] / 60:.1f} min)",
              "", f"Arrivals and lengths: {result['trace']}, conversation trace, {fleet['rate']} req/s, "
              f"{result['duration_s']:.0f} s per run. FleetSpec: {fleet}. Run order: {', '.join(result['order'])}.", ""]
+    if result.get("replica_cpus"):
+        lines += [f"Each replica (its actor and engine processes) capped at {result['replica_cpus']:g} cores by a CPU "
+                  "quota (benchmarks/replica_cpu.py), as a replica with cores of its own; the ingress, proxy and "
+                  "client outside the quotas.", ""]
     settings = list(dict.fromkeys(r["setting"] for r in result["runs"]))
     for setting in settings:
         runs = [r for r in result["runs"] if r["setting"] == setting]

@@ -27,7 +27,7 @@ import random
 from types import SimpleNamespace
 
 from deployments.routing.policy import AffinityPolicy
-from deployments.routing.prefetch import home_of
+from deployments.routing.prefetch import bounded_homes
 
 INITIAL_BACKOFF_S, BACKOFF_MULTIPLIER, MAX_BACKOFF_S = 0.025, 2, 0.5   # ray/serve/_private/constants.py:565-572
 PUSH_MODEL_IDS_S = 0.1   # a replica pushes its multiplexed model ids at most this often (constants.py:383)
@@ -68,8 +68,8 @@ class AffinityRouting(Router):
         self.stats_period_s = stats_period_s
         ids = [str(r.index) for r in replicas]   # each replica's home adapters, by the replicas' own rule
         self.homes: dict[int, list[str]] = {r.index: [] for r in replicas}
-        for adapter in sorted(adapters):
-            self.homes[int(home_of(adapter, ids))].append(adapter)
+        for adapter, home in sorted(bounded_homes(list(adapters), ids).items()):
+            self.homes[int(home)].append(adapter)
         self.home_sets = {index: frozenset(homes) for index, homes in self.homes.items()}
         self.prefetch_fill = prefetch_fill
         self._prefetched_at = -stats_period_s
@@ -90,7 +90,7 @@ class AffinityRouting(Router):
                                device=stats.get("device", ()), host=stats.get("host", frozenset()) | set(r.host)
                                | set(r.loading), loading=stats.get("loading", ()),
                                evicts_next=stats.get("evicts_next"), lora_budget=r.spec.max_loras_per_batch,
-                               host_slots=r.spec.max_loaded_loras)
+                               host_slots=r.spec.max_loaded_loras, homes=self.home_sets[r.index])
 
     def prefetch_targets(self, now: float) -> list[tuple[object, str, frozenset]]:
         """What each replica's HomePrefetcher asks for this period (deployments/routing/prefetch.py `step`): home
@@ -105,6 +105,7 @@ class AffinityRouting(Router):
             room = int(r.spec.max_loaded_loras * self.prefetch_fill) - len(held & homes)
             wanted = [a for a in self.homes[r.index] if a not in held][:max(0, room)]
             victims = frozenset(a for a in held if a not in homes and a not in r.slots)
+            r.evict_first = victims       # a request's load loses these first too (lora/cache.py prefer_evicting)
             out += [(r, a, victims) for a in wanted]
         return out
 

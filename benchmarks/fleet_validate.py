@@ -41,7 +41,7 @@ from benchmarks.fleet_sim import Scenario, Simulation
 from benchmarks.fleet_sim_metrics import percentile
 from benchmarks.fleet_validation_report import markdown
 from benchmarks.fleet_workload import FleetSpec, adapter_names
-from deployments.routing.prefetch import home_of
+from deployments.routing.prefetch import bounded_homes
 
 ROUTERS = {"multiplex": "serve-default", "adapter-affinity": "adapter-affinity"}
 SETTLE_S = 3.5      # fleet.py: the warm-up's last answers, then SETTLE_S before the timed arrivals
@@ -72,7 +72,8 @@ def tpots(requests: list[SimRequest]) -> list[float]:
 def sim_metrics(requests: list[SimRequest], replicas: int) -> dict:
     ttft = [r.first_token_at - r.at for r in requests]
     ids = [str(i) for i in range(replicas)]
-    home = sum(str(r.replica) == home_of(r.adapter, ids) for r in requests) / len(requests)
+    homes = bounded_homes(sorted({r.adapter for r in requests}), ids)
+    home = sum(str(r.replica) == homes[r.adapter] for r in requests) / len(requests)
     return {"hit_rate": sum(r.hit for r in requests) / len(requests), "ttft_p50_ms": 1e3 * percentile(ttft, 50),
             "ttft_p99_ms": 1e3 * percentile(ttft, 99), "tpot_p50_ms": 1e3 * percentile(tpots(requests), 50),
             "idle_ttft_p50_ms": 1e3 * percentile(idle_arrivals(sim_spans(requests)), 50), "home_share": home}

@@ -35,11 +35,12 @@ class ReplicaAdapters:
         await self.adapters.sync()
         self._sync_task = asyncio.get_running_loop().create_task(self.adapters.run())
         if config.routing == "adapter-affinity":   # this replica's share of the adapters, read before requests come
-            self._prefetch_task = asyncio.get_running_loop().create_task(HomePrefetcher(
+            self._prefetcher = HomePrefetcher(
                 self.replica_id, live_replicas=lambda: registry.call(lambda actor: actor.live_replicas.remote()),
                 adapters=lambda: self.adapters.sources, registered=lambda: self.adapters.loaded,
                 register=self._ensure_loaded, engine=self.engine, capacity=config.engine.max_loaded_loras,
-                period_s=config.routing_stats_period_s).run())
+                period_s=config.routing_stats_period_s)
+            self._prefetch_task = asyncio.get_running_loop().create_task(self._prefetcher.run())
         # Serve's per-replica LRU of adapter ids: what it reports drives routing affinity. Built here
         # because its size comes from the config; a plain function, as Serve keeps its state on it.
         async def load_for_routing(name: str) -> str:

@@ -23,8 +23,10 @@ class ReplicaHealth:
         """What the request router reads (deployments/routing/router.py), every routing_stats_period_s."""
         engine = await self.engine.stats()
         lora = engine.get("lora", {})
+        prefetcher = getattr(self, "_prefetcher", None)   # adapter-affinity routing only
         return {**self._routing_limits, "load": engine["running"] + engine["waiting"],
-                **lora.get("residency", {}), "requests": lora.get("requests", {})}
+                **lora.get("residency", {}), "requests": lora.get("requests", {}),
+                **({"homes": prefetcher.homes} if prefetcher else {})}
 
     async def is_healthy(self) -> bool:
         return await self.engine.check_health()

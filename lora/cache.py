@@ -49,6 +49,7 @@ class HostAdapterCache:
         self._orphans: set[Key] = set()              # unregistered, still referenced
         self._loading: dict[Key, tuple[object, float]] = {}   # name -> (token, start) of the load in flight
         self._failed: dict[Key, AdapterError] = {}   # name -> error of the last background load
+        self._evict_first: frozenset[Key] = frozenset()   # see prefer_evicting
         self._counts = dict(hits=0, misses=0, loads=0, evictions=0, load_failures=0)
         self._load_seconds_total = 0.0
         self._recent_load_seconds: collections.deque[float] = collections.deque(maxlen=RECENT_LOADS)
@@ -117,11 +118,8 @@ class HostAdapterCache:
             raise
 
     def ensure(self, name: Key) -> bool:
-        """True if resident; else start one background load and return False.
-
-        Raises the error of the last failed background load once; the next
-        call retries.
-        """
+        """True if resident; else start one background load and return False. Raises the error of the last
+        failed background load once; the next call retries."""
         with self._lock:
             source = self._source_of(name)
             if name in self._resident:
@@ -224,12 +222,24 @@ class HostAdapterCache:
         evicting the adapter just inserted stops a load-evict-reload loop.
         """
         while len(self._resident) > self.capacity:
-            victim = next((n for n in self._resident if n != keep and n not in self._pinned
-                           and self._refs.get(n, 0) == 0), None)
+            victim = self._victim(keep)
             if victim is None:
                 return
             del self._resident[victim]
             self._counts["evictions"] += 1
+
+    def prefer_evicting(self, names: Collection[Key]) -> None:
+        """Copies to lose before others of their age: a replica's copies of adapters it is not the home of
+        (routing/prefetch.py), whose requests go to their home unless it is busy, where a home adapter's all come
+        here. Only from the older half of the cache: a hot adapter's extra copy is used every few seconds and
+        stays young, a spill's ages."""
+        with self._lock:
+            self._evict_first = frozenset(names)
+
+    def _victim(self, keep: Key | None = None) -> Key | None:
+        evictable = [n for n in self._resident if n != keep and n not in self._pinned and self._refs.get(n, 0) == 0]
+        older = evictable[:max(1, len(evictable) // 2)]
+        return next((n for n in older if n in self._evict_first), older[0] if older else None)
 
     # -- use by running requests -----------------------------------------
 
@@ -269,26 +279,17 @@ class HostAdapterCache:
 
     def stats(self) -> dict:
         with self._lock:
-            return dict(
-                self._counts,
-                resident=len(self._resident),
-                capacity=self.capacity,
-                registered=len(self._sources),
-                pinned=len(self._pinned),
-                referenced=len(self._refs),
-                loading=len(self._loading),
-                resident_bytes=sum(a.nbytes() for a in self._resident.values()),
-                load_seconds_total=self._load_seconds_total,
-                recent_load_seconds=list(self._recent_load_seconds),
-            )
+            return dict(self._counts, resident=len(self._resident), capacity=self.capacity,
+                        registered=len(self._sources), pinned=len(self._pinned), referenced=len(self._refs),
+                        loading=len(self._loading), resident_bytes=sum(a.nbytes() for a in self._resident.values()),
+                        load_seconds_total=self._load_seconds_total,
+                        recent_load_seconds=list(self._recent_load_seconds))
 
     def residency(self) -> dict:
         """Names in memory (LRU first), being loaded, and what a load would evict now (None: room left)."""
         with self._lock:
             resident = list(self._resident)
-            victim = None
-            if len(resident) >= self.capacity:
-                victim = next((n for n in resident if n not in self._pinned and self._refs.get(n, 0) == 0), None)
+            victim = self._victim() if len(resident) >= self.capacity else None
             return {"host": resident, "loading": list(self._loading), "evicts_next": victim}
 
     def close(self) -> None:

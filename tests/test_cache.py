@@ -78,6 +78,23 @@ def test_lru_eviction_at_capacity(make_cache):
     assert cache.stats()["loads"] == 3
 
 
+def test_a_load_evicts_a_preferred_copy_from_the_older_half_first(make_cache):
+    names = [f"n{i}" for i in range(6)]
+    cache = make_cache(4, names=names)
+    for name in names[:4]:                   # LRU order n0 n1 n2 n3
+        cache.load_now(name)
+    cache.prefer_evicting({"n1", "n3"})      # copies of adapters this replica is not the home of
+    assert cache.residency()["evicts_next"] == "n1"          # n1 in the older half goes before n0
+    cache.load_now("n4")
+    assert [cache.is_resident(n) for n in names[:5]] == [True, False, True, True, True]
+    cache.acquire("n0")                      # held: never a victim; evictable now n2 n3 n4, older half n2
+    cache.load_now("n5")                     # n3 is preferred but young: the LRU n2 goes
+    assert [cache.is_resident(n) for n in names] == [True, False, False, True, True, True]
+    cache.release("n0")
+    cache.prefer_evicting(())                # plain LRU again
+    assert cache.residency()["evicts_next"] == "n3"
+
+
 def test_referenced_and_pinned_are_never_evicted(make_cache):
     cache = make_cache(2)
     cache.register("p", "/adapters/p", pinned=True)

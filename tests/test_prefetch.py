@@ -1,5 +1,6 @@
-"""Home prefetch (deployments/routing/prefetch.py), no Ray: a replica reads into host memory the adapters it heads
-the rendezvous order of, on a real engine, making room only from other replicas' adapters, counting no miss."""
+"""Home prefetch (deployments/routing/prefetch.py), no Ray: every replica computes the same homes (rendezvous order,
+an even share each), reads its own into host memory on a real engine, making room only from other replicas'
+adapters, counting no miss, and the router sends an adapter to the replica that reports it as a home."""
 from __future__ import annotations
 
 import asyncio
@@ -8,7 +9,7 @@ import time
 import pytest
 
 from deployments.routing.policy import AffinityPolicy
-from deployments.routing.prefetch import HomePrefetcher, home_of
+from deployments.routing.prefetch import HomePrefetcher, bounded_homes, home_of
 from factories import make_adapter
 from workers import EngineConfig, LLMEngine
 from workers.async_engine import AsyncLLMEngine
@@ -44,21 +45,50 @@ async def host(engine) -> set[str]:
     return set((await engine.stats())["lora"]["residency"]["host"])
 
 
-def test_homes_are_the_routers_first_choice():
+def my_homes() -> list[str]:
+    return sorted(a for a, r in bounded_homes(NAMES, LIVE).items() if r == ME)
+
+
+def test_homes_are_an_even_share_the_same_everywhere_and_move_little():
+    adapters = [f"a{i}" for i in range(200)]
+    replicas = [f"r{i}" for i in range(4)]
+    homes = bounded_homes(adapters, replicas)
+    plain = [sum(home_of(a, replicas) == r for a in adapters) for r in replicas]
+    assert max(plain) - min(plain) > 10                      # what plain rendezvous draws here: 39 to 61
+    assert sorted(homes) == sorted(adapters) and all(list(homes.values()).count(r) == 50 for r in replicas)
+    assert bounded_homes(adapters[::-1], replicas[::-1]) == homes              # order of the inputs: no matter
+    assert sum(homes[a] == home_of(a, replicas) for a in adapters) >= 0.8 * len(adapters)   # mostly hash order
+    gone = bounded_homes(adapters, replicas[1:])             # a replica leaves: its adapters move, few others
+    assert sum(gone[a] != homes[a] for a in adapters if homes[a] != "r0") <= 0.05 * len(adapters)
+    joined = bounded_homes(adapters, replicas + ["r4"])      # one joins: it takes an even share, few others move
+    assert list(joined.values()).count("r4") == 40
+    assert sum(joined[a] not in (homes[a], "r4") for a in adapters) <= 0.05 * len(adapters)
+    assert bounded_homes([], replicas) == {} and bounded_homes(adapters, []) == {}
+
+
+def test_the_router_sends_an_adapter_to_the_replica_reporting_it_as_home():
     policy = AffinityPolicy()
     policy.set_replicas(LIVE)
-    assert all(home_of(a, LIVE) == policy.order(a)[0] for a in NAMES * 5 + [f"x{i}" for i in range(100)])
+    names = NAMES * 5 + [f"x{i}" for i in range(100)]
+    assert all(home_of(a, LIVE) == policy.order(a)[0] for a in names)   # nothing reported: rendezvous order
+    other = {a: r for a, r in bounded_homes(names, LIVE).items() if r != ME}
+    policy.report(ME, homes=[a for a in set(names) if a not in other])
+    policy.report("replica-other", homes=list(other))
+    assert all(policy.order(a)[0] == ("replica-other" if a in other else ME) for a in names)
+    policy.report(ME, homes=list(set(names)))                # claimed by both meanwhile: the first in hash order
+    assert all(policy.order(a)[0] == home_of(a, LIVE) for a in other)
 
 
 def test_a_replica_reads_its_home_adapters_and_no_others(sources):
     model, paths = sources
-    homes = sorted(a for a in NAMES if home_of(a, LIVE) == ME)
+    homes = my_homes()
     assert 0 < len(homes) < len(NAMES)
     engine = engine_with(model, capacity=8)
     try:
         registered: dict[str, str] = {}
-        started = asyncio.run(prefetcher(engine, paths, registered, capacity=8).step())
-        assert sorted(started) == homes and sorted(registered) == homes
+        p = prefetcher(engine, paths, registered, capacity=8)
+        started = asyncio.run(p.step())
+        assert sorted(started) == homes and sorted(registered) == homes and p.homes == homes   # what it reports
         assert asyncio.run(host(engine)) == set(homes)
     finally:
         engine.close()
@@ -66,7 +96,7 @@ def test_a_replica_reads_its_home_adapters_and_no_others(sources):
 
 def test_prefetch_replaces_only_other_replicas_adapters_and_counts_no_miss(sources):
     model, paths = sources
-    homes = sorted(a for a in NAMES if home_of(a, LIVE) == ME)
+    homes = my_homes()
     engine = engine_with(model, capacity=4)
     try:
         async def scenario():

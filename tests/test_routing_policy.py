@@ -87,9 +87,29 @@ def test_a_loaded_home_spills_to_the_next_replica_in_hash_order_before_saturatin
 def test_rank_lists_every_replica_so_a_request_is_never_refused():
     p, _ = policy(replicas=5)
     for r in p.replicas:
-        p.report(r, load=100)     # all far over any bound
+        p.report(r, load=7)       # all far over any bound, under a full batch
     for adapter in ("a", "b", None):
         assert sorted(p.rank(adapter)) == sorted(p.replicas)
+
+
+def test_a_saturated_fleet_keeps_a_request_to_its_home_and_warm_copies():
+    p, clock = policy(replicas=4, capacity=8)
+    order = p.order("a")
+    for r in p.replicas:
+        p.report(r, capacity=8, load=16)      # a full batch and as long a queue everywhere
+    p.report(order[2], capacity=8, load=15, host=["a"])
+    p.report(order[3], capacity=8, load=10)   # under the others, but cold
+    assert p.rank("a") == [order[2], order[0]]            # the warm copy, the home: no cold read
+    assert sorted(p.rank(None)) == sorted(p.replicas)     # the base model needs no read
+    for _ in range(20):                                   # queued demand does not grow the home set
+        p.routed("a", p.rank("a")[0])
+    assert p.home_size("a") == 1
+    for r in p.replicas:                                  # room again: the cold replicas come back, the home grows
+        p.report(r, capacity=8, load=1)
+        while p.in_flight[r]:
+            p.completed("a", r)
+    clock.now += 1
+    assert sorted(p.rank("a")) == sorted(p.replicas) and p.home_size("a") > 1
 
 
 def test_home_set_grows_with_demand_and_shrinks_one_step_per_cool_down():

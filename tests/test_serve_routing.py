@@ -1,7 +1,7 @@
 """Adapter-affinity routing end to end (deployments/routing/): three LLMServer replicas behind Serve's HTTP proxy.
 
-An adapter's requests go to its home replica (the first of its rendezvous order over the live replicas, the
-same order every router computes), so the adapters partition over the replicas; a hot adapter's burst spreads
+An adapter's requests go to its home replica (rendezvous order with an even share each, which every replica
+computes and reports to the routers), so the adapters partition over the replicas; a hot adapter's burst spreads
 over the replicas before any of them is full. Serve's default multiplexed routing would send the burst to the
 one replica holding the adapter until it rejects at max_ongoing_requests (16 here: it never would).
 """
@@ -13,7 +13,7 @@ import threading
 import pytest
 import requests
 
-from deployments.routing.views import rendezvous_score
+from deployments.routing.prefetch import bounded_homes
 from factories import PROMPTS, make_adapter
 from serve_fixtures import wait_until
 
@@ -63,13 +63,18 @@ def replica_ids(url: str) -> list[str]:
 
 def test_each_adapters_requests_go_to_its_home_replica(url):
     replicas = replica_ids(url)
+    home = bounded_homes(ADAPTERS, replicas)   # what every replica computes and reports (two each here)
+    assert sorted(home.values()) == sorted(replicas * 2)
+
+    def one_round() -> dict[str, str]:         # one at a time: no load, so nothing spills
+        return {adapter: complete(url, f"{BASE}:{adapter}").headers[REPLICA] for adapter in ADAPTERS}
+    # the replicas report their homes a period after each sees all three live (their heartbeats)
+    wait_until(lambda: one_round() == home, 30, "every adapter to reach its reported home", interval=0.5)
     served: dict[str, set[str]] = {}
     for _ in range(3):
-        for adapter in ADAPTERS:   # one at a time: no load, so nothing spills
-            served.setdefault(adapter, set()).add(complete(url, f"{BASE}:{adapter}").headers[REPLICA])
-    home = {a: max(replicas, key=lambda r: rendezvous_score(a, r)) for a in ADAPTERS}
+        for adapter, replica in one_round().items():
+            served.setdefault(adapter, set()).add(replica)
     assert served == {a: {home[a]} for a in ADAPTERS}
-    assert len(set(home.values())) >= 2      # the adapters partition over the replicas (6 over 3: never all one)
 
 
 def test_a_hot_adapters_burst_spreads_over_the_replicas(url):
@@ -101,3 +106,4 @@ def test_replicas_report_the_host_slots_the_short_cache_mode_counts(url):
     stats = serve.get_deployment_handle("LLMServer", app_name=APP).record_routing_stats.remote().result(timeout_s=60)
     assert stats["capacity"] == 16 and stats["host_slots"] == EngineConfig.max_loaded_loras
     assert stats["lora_budget"] == EngineConfig.max_loras_per_batch and "host" in stats and "load" in stats
+    assert len(stats["homes"]) == 2 and set(stats["homes"]) <= set(ADAPTERS)   # its even share of the six

@@ -209,8 +209,10 @@ class AdapterManager:
     def prefetch(self, names: list[str], replace: list[str] = ()) -> list[str]:
         """Background loads into host memory of the current versions of `names` not resident (unknown names are
         skipped: the registry may know an adapter this engine has not registered yet). A full cache makes room
-        only by evicting the least recently used of `replace` that nothing holds."""
+        only by evicting the least recently used of `replace` that nothing holds; a request's load, later, evicts
+        those first too (HostAdapterCache.prefer_evicting)."""
         victims = {self._current[name] for name in replace if name in self._current}
+        self.cache.prefer_evicting(victims)   # a request's load too loses these first
         started = []
         for name in names:
             ref = self._current.get(name)

@@ -22,8 +22,10 @@ simulation (benchmarks/fleet_sim.py) drive this same class.
   earlier and stretches a home further before a cold spill (`knobs`).
 - Base-model requests (no adapter) go to the least-loaded replica.
 
-Nothing is refused here: the ranking always lists every live replica, so a request always has a
-replica to go to; the rules only order them.
+Nothing is refused here: the ranking lists every live replica, so a request always has a replica to go to;
+the rules only order them. Except in a saturated fleet (a queue of half a batch everywhere): there a cold
+replica is not listed, and the home set does not grow, since every replica is as busy and a cold copy costs a
+read and an eviction; the home set and the warm copies are, and Serve retries them.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ from typing import Callable, Iterable
 from deployments.routing.views import RESIDENCY_COST, Demand, ReplicaView, rendezvous_score
 
 ORDER_CACHE_SIZE = 1 << 16   # adapters whose hash order is kept (recomputed when the replicas change)
+SATURATED = 1.5              # mean load / a replica's capacity (max_num_seqs) past which the fleet is saturated
 logger = logging.getLogger("ray.serve")
 
 
@@ -89,11 +92,14 @@ class AffinityPolicy:
     def report(self, replica_id: str, *, capacity: int | None = None, load: float | None = None,
                device: Iterable[str] = (), host: Iterable[str] = (), loading: Iterable[str] = (),
                evicts_next: str | None = None, lora_budget: int | None = None,
-               host_slots: int | None = None) -> None:
+               host_slots: int | None = None, homes: Iterable[str] | None = None) -> None:
         """A replica's routing stats. Adapters it now reports resident are no longer 'sent cold'."""
         view = self.replicas.get(replica_id)
         if view is None:
             return
+        if homes is not None and frozenset(homes) != view.homes:
+            view.homes = frozenset(homes)
+            self._orders.clear()
         view.capacity = max(1, int(capacity)) if capacity else view.capacity
         view.load = float(load) if load is not None else view.load
         view.device, view.host, view.loading = frozenset(device), frozenset(host), frozenset(loading)
@@ -136,7 +142,12 @@ class AffinityPolicy:
         warm_spill = [r for r in order[k:] if loads[r] < bound and warm(r)]
         # past `bound` a home takes more before the request spills to a replica that must read the adapter cold
         stretched = sorted((r for r in home if bound <= loads[r] < cold_bound), key=cost)
-        cold_spill = self._cold_order([r for r in order[k:] if loads[r] < bound and not warm(r)], now)
+        # a saturated fleet: every replica runs a full batch on average, so a cold copy adds a read and an
+        # eviction, not capacity (34 req/s on 4 replicas of 0.25 cores, benchmarks/RESULTS.md "fourteenth
+        # session": cold spills took the hit rate to 0.82); the home set and warm copies wait (Serve retries)
+        saturated = mean >= SATURATED * self._capacity()
+        cold_spill = [] if saturated else self._cold_order(
+            [r for r in order[k:] if loads[r] < bound and not warm(r)], now)
         if open_home and not self._may_serve(adapter, open_home[0], now):   # out of cold budget: a copy first
             open_home, warm_spill = warm_spill + open_home, []
         # A replica whose steps already hold its LoRA budget of other adapters queues the request until a whole
@@ -145,7 +156,10 @@ class AffinityPolicy:
         ranked = sorted(open_home + warm_spill + stretched + cold_spill, key=lambda r: 0 if self._admits_now(
             adapter, r) and (r in home_set or warm(r)) else 1 if r in home_set else 2)
         chosen = set(ranked)
-        return ranked + sorted((r for r in order if r not in chosen), key=lambda r: loads[r])
+        rest = sorted((r for r in order if r not in chosen), key=lambda r: loads[r])
+        if saturated:
+            rest = [r for r in rest if r in home_set or warm(r)]
+        return ranked + rest
 
     def _admits_now(self, adapter: str, replica_id: str) -> bool:
         view = self.replicas[replica_id]
@@ -177,12 +191,18 @@ class AffinityPolicy:
         view.refilled = now
 
     def order(self, adapter: str) -> list[str]:
-        """The live replicas in the adapter's rendezvous order (highest score first)."""
+        """The live replicas in the adapter's rendezvous order (highest score first), the replica that reports
+        it among its homes (an even share each, prefetch.py `bounded_homes`) moved to the front."""
         order = self._orders.get(adapter)
         if order is None:
             if len(self._orders) >= ORDER_CACHE_SIZE:
                 self._orders.clear()
             order = sorted(self.replicas, key=lambda r: rendezvous_score(adapter, r), reverse=True)
+            # while replicas disagree (one of them has not seen a change yet) the first claimant in hash order
+            claimant = next((r for r in order if adapter in self.replicas[r].homes), None)
+            if claimant is not None:
+                order.remove(claimant)
+                order.insert(0, claimant)
             self._orders[adapter] = order
         return order
 
@@ -227,6 +247,8 @@ class AffinityPolicy:
         share = max(1.0, (home_share or self.home_share) * min(self._capacity(), max(self._spill_floor(), mean_load)))
         limit = min(self.max_home or len(self.replicas), len(self.replicas))
         needed = min(limit, max(1, math.ceil(self._demand_now(adapter, now) / share)))
+        if mean_load >= SATURATED * self._capacity():   # queued requests inflate demand, a home adds nothing
+            needed = min(needed, d.home)
         if needed >= d.home:
             d.home, d.needed_since = needed, now
         elif now - d.needed_since >= self.cooldown_s:   # one step per cool-down: no flapping

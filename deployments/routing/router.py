@@ -38,7 +38,8 @@ class AdapterAffinityRouter(RequestRouter):
             self.policy.report(r.replica_id.unique_id, capacity=stats.get("capacity") or r.max_ongoing_requests,
                                load=stats.get("load"), device=stats.get("device", ()), host=host,
                                loading=stats.get("loading", ()), evicts_next=stats.get("evicts_next"),
-                               lora_budget=stats.get("lora_budget"), host_slots=stats.get("host_slots"))
+                               lora_budget=stats.get("lora_budget"), host_slots=stats.get("host_slots"),
+                               homes=stats.get("homes"))
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:

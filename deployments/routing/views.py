@@ -22,6 +22,7 @@ class ReplicaView:
     evicts_next: str | None = None                 # what a cold load evicts now (its host cache is full)
     lora_budget: int | None = None                 # distinct adapters its steps take (max_loras_per_batch)
     host_slots: int | None = None                  # adapters its host cache holds (max_loaded_loras)
+    homes: frozenset[str] = frozenset()            # adapters it is the home of (routing/prefetch.py bounded_homes)
     active: dict[str, int] = field(default_factory=dict)   # adapter -> requests this router has in flight there
     sent_cold: dict[str, float] = field(default_factory=dict)   # adapter -> when sent cold, until reported
     tokens: float = 0.0                            # cold-load budget left
