@@ -132,7 +132,8 @@ def summarize(records: list[dict], polls: list[tuple[float, dict]], num_replicas
         "output_tok_s": sum(r["tokens"] for r in ok) / span if span else 0.0,
         "imbalance": imbalance(records, num_replicas),
         "adapters_per_step": total["step_adapters"] / total["steps"] if total["steps"] else None,
-        "replicas_used": len({r["replica"] for r in records if r["replica"]}), "placement": placement(records, adapters),
+        "replicas_used": len({r["replica"] for r in records if r["replica"]}),
+        "placement": placement(records, adapters),
         "error_samples": sorted({r["error"] for r in records if r["error"]})[:5],
     }
 

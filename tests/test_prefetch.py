@@ -9,7 +9,8 @@ import time
 import pytest
 
 from deployments.routing.policy import AffinityPolicy
-from deployments.routing.prefetch import HomePrefetcher, bounded_homes, home_of
+from deployments.routing.prefetch import HomePrefetcher, bounded_homes
+from deployments.routing.views import rendezvous_score
 from factories import make_adapter
 from workers import EngineConfig, LLMEngine
 from workers.async_engine import AsyncLLMEngine
@@ -43,6 +44,11 @@ def prefetcher(engine, sources, registered, capacity, fill=1.0) -> HomePrefetche
 
 async def host(engine) -> set[str]:
     return set((await engine.stats())["lora"]["residency"]["host"])
+
+
+def home_of(adapter: str, replica_ids: list[str]) -> str:
+    """Plain rendezvous: the first of the adapter's order."""
+    return max(replica_ids, key=lambda r: rendezvous_score(adapter, r))
 
 
 def my_homes() -> list[str]:

@@ -2,31 +2,10 @@
 bounded load, home-set growth and shrink, the cold-load budget, the last-copy rule, residency preference."""
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from deployments.routing.policy import AffinityPolicy
-
-
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def policy(replicas=8, capacity=8, **kwargs) -> tuple[AffinityPolicy, Clock]:
-    clock = Clock()
-    p = AffinityPolicy(clock=clock, rng=random.Random(0), **kwargs)
-    p.set_replicas(f"r{i}" for i in range(replicas))
-    for r in p.replicas:
-        p.report(r, capacity=capacity, load=0)
-    return p, clock
-
-
-ADAPTERS = [f"adapter-{i}" for i in range(2000)]
+from routing_helpers import ADAPTERS, policy
 
 
 def homes(p: AffinityPolicy) -> dict[str, str]:
@@ -90,26 +69,6 @@ def test_rank_lists_every_replica_so_a_request_is_never_refused():
         p.report(r, load=7)       # all far over any bound, under a full batch
     for adapter in ("a", "b", None):
         assert sorted(p.rank(adapter)) == sorted(p.replicas)
-
-
-def test_a_saturated_fleet_keeps_a_request_to_its_home_and_warm_copies():
-    p, clock = policy(replicas=4, capacity=8)
-    order = p.order("a")
-    for r in p.replicas:
-        p.report(r, capacity=8, load=16)      # a full batch and as long a queue everywhere
-    p.report(order[2], capacity=8, load=15, host=["a"])
-    p.report(order[3], capacity=8, load=10)   # under the others, but cold
-    assert p.rank("a") == [order[2], order[0]]            # the warm copy, the home: no cold read
-    assert sorted(p.rank(None)) == sorted(p.replicas)     # the base model needs no read
-    for _ in range(20):                                   # queued demand does not grow the home set
-        p.routed("a", p.rank("a")[0])
-    assert p.home_size("a") == 1
-    for r in p.replicas:                                  # room again: the cold replicas come back, the home grows
-        p.report(r, capacity=8, load=1)
-        while p.in_flight[r]:
-            p.completed("a", r)
-    clock.now += 1
-    assert sorted(p.rank("a")) == sorted(p.replicas) and p.home_size("a") > 1
 
 
 def test_home_set_grows_with_demand_and_shrinks_one_step_per_cool_down():
@@ -270,45 +229,3 @@ def test_a_replica_whose_lora_budget_is_full_gives_way_to_a_copy_that_admits_the
     assert p.rank(adapter)[0] == order[2]
     p.completed("x", order[0])                        # a place in the home's budget again
     assert p.rank(adapter)[0] == order[0]
-
-
-def short_fleet(**kwargs) -> tuple[AffinityPolicy, Clock]:
-    """4 replicas of 10 host slots each; 25 adapters routed once: more live adapters than half the slots."""
-    p, clock = policy(replicas=4, **kwargs)
-    for r in p.replicas:
-        p.report(r, capacity=8, load=0, host_slots=10)
-    for a in ADAPTERS[:25]:
-        p.routed(a, p.rank(a)[0])
-        p.completed(a, p.rank(a)[0])
-    clock.now += 1.5
-    return p, clock
-
-
-def test_a_fleet_short_of_host_cache_stretches_a_home_instead_of_spilling_cold():
-    adapter = ADAPTERS[100]
-    ranks = {}
-    for ratio in (0.5, None):
-        p, clock = short_fleet(short_cache_ratio=ratio)
-        home = p.rank(adapter)[0]
-        for r in p.replicas:   # the home at 6 requests, the others at 1: mean 2.25 with this request
-            p.report(r, load=6 if r == home else 1)
-        ranks[ratio] = (home, p.rank(adapter))
-    home, short = ranks[0.5]
-    assert short[0] == home                      # 6 < 3 x the mean: the home takes it, no cold copy elsewhere
-    home, roomy = ranks[None]
-    assert roomy[0] != home                      # 6 >= 1.15 x the mean: spills cold to the next in hash order
-
-
-def test_the_short_cache_mode_ends_when_the_live_adapters_fit_again(caplog):
-    p, clock = short_fleet()
-    with caplog.at_level("INFO", logger="ray.serve"):
-        assert p.knobs(clock.now) == p.short_knobs
-        clock.now += p.live_s + 1                # nobody asked for those 25 since: not live any more
-        assert p.knobs(clock.now) == (p.home_share, p.cold_spill_factor)
-    assert ["short of host cache" in m or "back to home_share" in m for m in caplog.messages] == [True, True]
-    assert "25 adapters live, 40 host slots" in caplog.messages[0]
-    fresh, clock = policy(replicas=4)            # replicas that do not report their host slots: never short
-    for a in ADAPTERS[:25]:
-        fresh.routed(a, fresh.rank(a)[0])
-    clock.now += 1.5
-    assert fresh.knobs(clock.now) == (fresh.home_share, fresh.cold_spill_factor)

@@ -2,9 +2,10 @@
 
 Every replica computes the same homes from the registry's adapters and its list of live replicas (their
 heartbeats): `bounded_homes`, rendezvous order with at most an even share of the adapters per replica, and
-reports its own to the routers (record_routing_stats), which send an adapter to its home first (policy.py). So each replica prefetches its share of the adapters while its host
-cache has room, and the fleet's host memory holds the adapter set once, partitioned, instead of
-each replica holding whatever its first requests asked for. A replica that joins takes over its
+reports its own to the routers (record_routing_stats), which send an adapter to its home first (policy.py).
+So each replica prefetches its share of the adapters while its host cache has room, and the fleet's host
+memory holds the adapter set once, partitioned, instead of each replica holding whatever its first requests
+asked for. A replica that joins takes over its
 share before traffic reaches it; when one leaves, the next in each of its adapters' orders loads them.
 
 Prefetch keeps up to `fill` of the cache in home adapters: it fills free room, and beyond that evicts only
@@ -20,10 +21,6 @@ from typing import Awaitable, Callable
 from deployments.routing.views import rendezvous_score
 
 logger = logging.getLogger("ray.serve")
-
-
-def home_of(adapter: str, replica_ids: list[str]) -> str:
-    return max(replica_ids, key=lambda r: rendezvous_score(adapter, r))
 
 
 def bounded_homes(adapters: list[str], replica_ids: list[str]) -> dict[str, str]:
