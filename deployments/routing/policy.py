@@ -118,7 +118,8 @@ class AffinityPolicy:
 
     # ---- ranking -------------------------------------------------------------------------------------
     def rank(self, adapter: str | None) -> list[str]:
-        """Every live replica, best first, for one request of `adapter` (None: the base model)."""
+        """The live replicas, best first, for one request of `adapter` (None: the base model): every one of them
+        unless the fleet is saturated (then no cold one)."""
         if not self.replicas:
             return []
         loads = {r: self.load(r) for r in self.replicas}

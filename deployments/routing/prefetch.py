@@ -5,8 +5,8 @@ heartbeats): `bounded_homes`, rendezvous order with at most an even share of the
 reports its own to the routers (record_routing_stats), which send an adapter to its home first (policy.py).
 So each replica prefetches its share of the adapters while its host cache has room, and the fleet's host
 memory holds the adapter set once, partitioned, instead of each replica holding whatever its first requests
-asked for. A replica that joins takes over its
-share before traffic reaches it; when one leaves, the next in each of its adapters' orders loads them.
+asked for. A replica that joins takes over its share before traffic reaches it; when one leaves, the next in
+each of its adapters' orders loads them.
 
 Prefetch keeps up to `fill` of the cache in home adapters: it fills free room, and beyond that evicts only
 adapters this replica is not the home of (least recently used first, none that a step holds): at start
