@@ -76,7 +76,7 @@ def placement(records: list[dict], adapters: list[str] = ()) -> dict:
     none): the share served by the adapter's 1st, 2nd, ... replica, and how many adapters were served by more
     than one replica."""
     from deployments.routing.prefetch import bounded_homes
-    from deployments.routing.views import rendezvous_score
+    from deployments.routing.views import rendezvous_order
 
     served = [r for r in records if r["replica"]]
     replicas = sorted({r["replica"] for r in served})
@@ -84,8 +84,8 @@ def placement(records: list[dict], adapters: list[str] = ()) -> dict:
     ranks = [0] * len(replicas)
     holders: dict[str, set] = {}
     for r in served:
-        order = sorted(replicas, key=lambda x: (x == homes.get(r["adapter"]), rendezvous_score(r["adapter"], x)),
-                       reverse=True)
+        home = homes.get(r["adapter"])                # first, as our router orders them
+        order = sorted(rendezvous_order(r["adapter"], replicas), key=lambda x: x != home)
         ranks[order.index(r["replica"])] += 1
         holders.setdefault(r["adapter"], set()).add(r["replica"])
     return {"served_at_hash_rank": [n / len(served) for n in ranks] if served else [],

@@ -29,8 +29,8 @@ def available() -> str | None:
     return None
 
 
-def descendants(pid: int) -> list[int]:
-    """pid and every process below it (a replica's engine process is its child)."""
+def children_of() -> dict[int, list[int]]:
+    """Every process's children, from one pass over /proc."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -39,6 +39,12 @@ def descendants(pid: int) -> list[int]:
             except (OSError, IndexError, ValueError):
                 continue                      # ended meanwhile
             children.setdefault(ppid, []).append(int(entry.name))
+    return children
+
+
+def descendants(pid: int, children: dict[int, list[int]] | None = None) -> list[int]:
+    """pid and every process below it (a replica's engine process is its child)."""
+    children = children_of() if children is None else children
     out, todo = [], [pid]
     while todo:
         current = todo.pop()
@@ -91,6 +97,7 @@ class ReplicaQuota:
 
     def place(self) -> dict[str, int]:
         """Move every replica's processes (new replicas, new engine processes) into its group: replica -> pids."""
+        children = children_of()              # one pass over /proc for every replica
         for name, pid in replica_pids(self.apps).items():
             group = self.root / name.replace("#", "_").replace(":", "_")
             if not group.exists():
@@ -98,7 +105,7 @@ class ReplicaQuota:
                 (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
                 (group / "cpu.cfs_quota_us").write_text(str(int(self.cores * PERIOD_US)))
             placed = self.placed.setdefault(name, set())
-            for member in descendants(pid):
+            for member in descendants(pid, children):
                 if member not in placed and _write(group / "cgroup.procs", str(member)):
                     placed.add(member)
         return {name: len(pids) for name, pids in self.placed.items()}

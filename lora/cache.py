@@ -153,8 +153,7 @@ class HostAdapterCache:
             if source is None or name in self._resident or name in self._loading:
                 return False
             if len(self._resident) + len(self._loading) >= self.capacity:
-                victim = next((n for n in self._resident if n in victims and n not in self._pinned
-                               and self._refs.get(n, 0) == 0), None)
+                victim = next((n for n in self._evictable() if n in victims), None)
                 if victim is None:
                     return False
                 del self._resident[victim]
@@ -236,8 +235,11 @@ class HostAdapterCache:
         with self._lock:
             self._evict_first = frozenset(names)
 
+    def _evictable(self, keep: Key | None = None) -> list[Key]:   # least recently used first
+        return [n for n in self._resident if n != keep and n not in self._pinned and self._refs.get(n, 0) == 0]
+
     def _victim(self, keep: Key | None = None) -> Key | None:
-        evictable = [n for n in self._resident if n != keep and n not in self._pinned and self._refs.get(n, 0) == 0]
+        evictable = self._evictable(keep)
         older = evictable[:max(1, len(evictable) // 2)]
         return next((n for n in older if n in self._evict_first), older[0] if older else None)
 

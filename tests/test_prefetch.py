@@ -10,7 +10,7 @@ import pytest
 
 from deployments.routing.policy import AffinityPolicy
 from deployments.routing.prefetch import HomePrefetcher, bounded_homes
-from deployments.routing.views import rendezvous_score
+from deployments.routing.views import rendezvous_order
 from factories import make_adapter
 from workers import EngineConfig, LLMEngine
 from workers.async_engine import AsyncLLMEngine
@@ -48,7 +48,7 @@ async def host(engine) -> set[str]:
 
 def home_of(adapter: str, replica_ids: list[str]) -> str:
     """Plain rendezvous: the first of the adapter's order."""
-    return max(replica_ids, key=lambda r: rendezvous_score(adapter, r))
+    return rendezvous_order(adapter, replica_ids)[0]
 
 
 def my_homes() -> list[str]:

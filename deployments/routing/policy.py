@@ -22,10 +22,9 @@ simulation (benchmarks/fleet_sim.py) drive this same class.
   earlier and stretches a home further before a cold spill (`knobs`).
 - Base-model requests (no adapter) go to the least-loaded replica.
 
-Nothing is refused here: the ranking lists every live replica, so a request always has a replica to go to;
-the rules only order them. Except in a saturated fleet (a queue of half a batch everywhere): there a cold
-replica is not listed, and the home set does not grow, since every replica is as busy and a cold copy costs a
-read and an eviction; the home set and the warm copies are, and Serve retries them.
+Nothing is refused here: the ranking lists every live replica (the rules only order them), except in a
+saturated fleet (a queue of half a batch everywhere): there no cold replica is listed and no home set grows,
+as every replica is as busy and a cold copy costs a read and an eviction; Serve retries the others.
 """
 from __future__ import annotations
 
@@ -35,7 +34,7 @@ import random
 import time
 from typing import Callable, Iterable
 
-from deployments.routing.views import RESIDENCY_COST, Demand, ReplicaView, rendezvous_score
+from deployments.routing.views import RESIDENCY_COST, Demand, ReplicaView, rendezvous_order
 
 ORDER_CACHE_SIZE = 1 << 16   # adapters whose hash order is kept (recomputed when the replicas change)
 SATURATED = 1.5              # mean load / a replica's capacity (max_num_seqs) past which the fleet is saturated
@@ -146,7 +145,7 @@ class AffinityPolicy:
         # a saturated fleet: every replica runs a full batch on average, so a cold copy adds a read and an
         # eviction, not capacity (34 req/s on 4 replicas of 0.25 cores, benchmarks/RESULTS.md "fourteenth
         # session": cold spills took the hit rate to 0.82); the home set and warm copies wait (Serve retries)
-        saturated = mean >= SATURATED * self._capacity()
+        saturated = self._saturated(mean)
         cold_spill = [] if saturated else self._cold_order(
             [r for r in order[k:] if loads[r] < bound and not warm(r)], now)
         if open_home and not self._may_serve(adapter, open_home[0], now):   # out of cold budget: a copy first
@@ -198,17 +197,18 @@ class AffinityPolicy:
         if order is None:
             if len(self._orders) >= ORDER_CACHE_SIZE:
                 self._orders.clear()
-            order = sorted(self.replicas, key=lambda r: rendezvous_score(adapter, r), reverse=True)
+            order = rendezvous_order(adapter, self.replicas)
             # while replicas disagree (one of them has not seen a change yet) the first claimant in hash order
             claimant = next((r for r in order if adapter in self.replicas[r].homes), None)
-            if claimant is not None:
-                order.remove(claimant)
-                order.insert(0, claimant)
+            order.sort(key=lambda r: r != claimant)   # stable: the others keep their order
             self._orders[adapter] = order
         return order
 
     def _capacity(self) -> float:
         return sum(v.capacity for v in self.replicas.values()) / len(self.replicas)
+
+    def _saturated(self, mean_load: float) -> bool:
+        return mean_load >= SATURATED * self._capacity()
 
     def _spill_floor(self) -> int:
         """Below this a home never spills: a step's cost hardly grows with its first few sequences, and a spill
@@ -248,7 +248,7 @@ class AffinityPolicy:
         share = max(1.0, (home_share or self.home_share) * min(self._capacity(), max(self._spill_floor(), mean_load)))
         limit = min(self.max_home or len(self.replicas), len(self.replicas))
         needed = min(limit, max(1, math.ceil(self._demand_now(adapter, now) / share)))
-        if mean_load >= SATURATED * self._capacity():   # queued requests inflate demand, a home adds nothing
+        if self._saturated(mean_load):   # queued requests inflate demand, a home adds nothing
             needed = min(needed, d.home)
         if needed >= d.home:
             d.home, d.needed_since = needed, now

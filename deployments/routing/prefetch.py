@@ -18,7 +18,7 @@ import asyncio
 import logging
 from typing import Awaitable, Callable
 
-from deployments.routing.views import rendezvous_score
+from deployments.routing.views import rendezvous_order, rendezvous_score
 
 logger = logging.getLogger("ray.serve")
 
@@ -36,8 +36,7 @@ def bounded_homes(adapters: list[str], replica_ids: list[str]) -> dict[str, str]
     count = dict.fromkeys(replica_ids, 0)
     homes = {}
     for adapter in sorted(set(adapters), key=lambda a: rendezvous_score(a, "")):
-        home = next(r for r in sorted(replica_ids, key=lambda r: rendezvous_score(adapter, r), reverse=True)
-                    if count[r] < cap)
+        home = next(r for r in rendezvous_order(adapter, replica_ids) if count[r] < cap)
         count[home] += 1
         homes[adapter] = home
     return homes

@@ -48,6 +48,11 @@ class Demand:
     routed_at: float = 0.0    # its last request
 
 
+def rendezvous_order(adapter: str, replica_ids) -> list[str]:
+    """The replicas in the adapter's rendezvous order, highest score first."""
+    return sorted(replica_ids, key=lambda r: rendezvous_score(adapter, r), reverse=True)
+
+
 def rendezvous_score(adapter: str, replica_id: str) -> int:
     """Highest-random-weight hashing: the same in every process (Python's hash() is salted)."""
     digest = hashlib.blake2b(f"{adapter}\0{replica_id}".encode(), digest_size=8).digest()
