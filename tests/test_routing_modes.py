@@ -57,7 +57,7 @@ def test_the_short_cache_mode_ends_when_the_live_adapters_fit_again(caplog):
     p, clock = short_fleet()
     with caplog.at_level("INFO", logger="ray.serve"):
         assert p.knobs(clock.now) == p.short_knobs
-        clock.now += p.live_s + 1                # nobody asked for those 25 since: not live any more
+        clock.now += p.shortage.live_s + 1              # nobody asked for those 25 since: not live any more
         assert p.knobs(clock.now) == (p.home_share, p.cold_spill_factor)
     assert ["short of host cache" in m or "back to home_share" in m for m in caplog.messages] == [True, True]
     assert "25 adapters live, 40 host slots" in caplog.messages[0]

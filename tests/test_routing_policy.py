@@ -116,7 +116,7 @@ def test_inside_the_home_set_device_beats_host_beats_cold():
     adapter = "x"
     for _ in range(12):
         p.routed(adapter, p.order(adapter)[0])
-    home = p.order(adapter)[:p.home_size(adapter)]
+    home = p.home_set(adapter, p.order(adapter), p.home_size(adapter))
     assert len(home) >= 3
     for r in p.replicas:
         p.in_flight[r] = 0

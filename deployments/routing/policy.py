@@ -3,23 +3,24 @@
 Pure Python (no Ray): the Serve request router (deployments/routing/router.py) and the fleet
 simulation (benchmarks/fleet_sim.py) drive this same class.
 
-- Every adapter has a home set: the first `k` replicas of its rendezvous (highest-random-weight)
-  order over the live replicas. Each replica's host cache then holds its share of the adapters
-  instead of every replica holding the same hot few, and a replica joining or leaving moves only
-  the adapters whose order it heads (hash order never depends on the other replicas).
+- Every adapter has a home set of `k` replicas: the head of its rendezvous (highest-random-weight) order
+  over the live replicas (or the replica reporting it among its even share of homes, prefetch.py), then
+  the replicas of least average load when it heated. Each replica's host cache then holds its share of
+  the adapters instead of every replica holding the same hot few, and a replica joining or leaving moves
+  only the adapters whose order it heads (hash order never depends on the other replicas).
 - `k` follows the adapter's demand (its peak in-flight requests, decayed): ceil(demand / (home_share *
-  replica capacity)), at least 1, at most max_home. It grows at once and shrinks one step per
-  cool-down, so a hot adapter spreads as it heats and its cold copies are not thrown away at once.
-- Inside the home set the replica of least cost wins: in-flight requests plus a residency penalty
-  (device slot < host memory < loading < cold). A replica at or over the bounded-load limit
+  replica capacity)), at least 1, at most max_home. It grows at once while every home is at the
+  bounded-load limit and shrinks one step per cool-down, so a hot adapter spreads as it heats and its
+  copies are not thrown away at once.
+- Inside the home set a warm replica wins over a cold one, then the least cost: in-flight requests plus a
+  residency penalty (device slot < host memory < loading < cold). One at or over the bounded-load limit
   (load_factor x the mean load with this request, as consistent hashing with bounded loads) is passed
   over; the request spills to the next replica in hash order, before any replica rejects it.
 - Cold loads cost each replica a token of a bucket (cold_loads_per_s, burst cold_burst): a burst of
   cold adapters goes to replicas with tokens left, so it cannot flush one replica's hot adapters. A
   replica whose host cache would evict the last resident copy of an adapter that still has traffic
   is passed over for a cold load (the last-copy rule).
-- A fleet whose live adapters fill more than short_cache_ratio of its host slots spreads hot adapters
-  earlier and stretches a home further before a cold spill (`knobs`).
+- A fleet short of host cache spreads hot adapters earlier and stretches a home further (shortage.py).
 - Base-model requests (no adapter) go to the least-loaded replica.
 
 Nothing is refused here: the ranking lists every live replica (the rules only order them), except in a
@@ -28,17 +29,16 @@ as every replica is as busy and a cold copy costs a read and an eviction; Serve 
 """
 from __future__ import annotations
 
-import logging
 import math
 import random
 import time
 from typing import Callable, Iterable
 
+from deployments.routing.shortage import CacheShortage
 from deployments.routing.views import RESIDENCY_COST, Demand, ReplicaView, rendezvous_order
 
 ORDER_CACHE_SIZE = 1 << 16   # adapters whose hash order is kept (recomputed when the replicas change)
 SATURATED = 1.5              # mean load / a replica's capacity (max_num_seqs) past which the fleet is saturated
-logger = logging.getLogger("ray.serve")
 
 
 class AffinityPolicy:
@@ -65,10 +65,9 @@ class AffinityPolicy:
         self.load_factor, self.cold_spill_factor = load_factor, cold_spill_factor
         self.max_home, self.cooldown_s, self.half_life_s = max_home, cooldown_s, demand_half_life_s
         self.cold_rate, self.cold_burst, self.sent_cold_ttl_s = cold_loads_per_s, cold_burst, sent_cold_ttl_s
-        self.short_ratio, self.live_s = short_cache_ratio, live_s
         self.short_knobs = (min(home_share, short_home_share), max(cold_spill_factor, short_cold_spill_factor))
+        self.shortage = CacheShortage(short_cache_ratio, live_s, (home_share, cold_spill_factor), self.short_knobs)
         self.clock, self.rng = clock, rng or random.Random()
-        self._short, self._short_at = False, float("-inf")
         self.replicas: dict[str, ReplicaView] = {}
         self.in_flight: dict[str, int] = {}       # replica -> requests this router sent and not completed
         self.demand: dict[str, Demand] = {}
@@ -84,7 +83,7 @@ class AffinityPolicy:
             del self.replicas[gone]
             self.in_flight.pop(gone, None)
         for new in ids - set(self.replicas):
-            self.replicas[new] = ReplicaView(tokens=self.cold_burst, refilled=now)
+            self.replicas[new] = ReplicaView(tokens=self.cold_burst, refilled=now, averaged_at=now)
             self.in_flight.setdefault(new, 0)
         self._orders.clear()
 
@@ -101,11 +100,14 @@ class AffinityPolicy:
             self._orders.clear()
         view.capacity = max(1, int(capacity)) if capacity else view.capacity
         view.load = float(load) if load is not None else view.load
+        now = self.clock()
+        weight = 1 - 0.5 ** (max(0.0, now - view.averaged_at) / self.half_life_s) if self.half_life_s > 0 else 1.0
+        view.load_avg += weight * (self.load(replica_id) - view.load_avg)
+        view.averaged_at = now
         view.device, view.host, view.loading = frozenset(device), frozenset(host), frozenset(loading)
         view.evicts_next = evicts_next
         view.lora_budget = lora_budget if lora_budget else view.lora_budget
         view.host_slots = host_slots if host_slots else view.host_slots
-        now = self.clock()
         view.sent_cold = {a: t for a, t in view.sent_cold.items()
                           if a not in view.device and a not in view.host and a not in view.loading
                           and now - t < self.sent_cold_ttl_s}
@@ -128,26 +130,29 @@ class AffinityPolicy:
         order = self.order(adapter)
         mean = (sum(loads.values()) + 1) / len(loads)
         home_share, cold_spill_factor = self.knobs(now)
-        k = self.home_size(adapter, now, mean, home_share)
-        home, home_set = order[:k], set(order[:k])
         bound = max(self._spill_floor(), math.ceil(self.load_factor * mean))
+        d = self.demand.get(adapter)   # a home set grows only when each of its homes is at the bound
+        crowded = d is None or min(loads[r] for r in self.home_set(adapter, order, d.home)) >= bound
+        k = self.home_size(adapter, now, mean, home_share, grow=crowded)
+        home = self.home_set(adapter, order, k)
+        home_set = set(home)
+        others = [r for r in order if r not in home_set]
         cold_bound = max(bound, math.ceil(cold_spill_factor * mean))
 
         def warm(r: str) -> bool:
             return self.replicas[r].residency(adapter) != "cold"
 
-        def cost(r: str) -> float:
-            return loads[r] + RESIDENCY_COST[self.replicas[r].residency(adapter)]
+        def cost(r: str) -> tuple[bool, float]:   # a cold home only when every warm one is at the bound
+            return not warm(r), loads[r] + RESIDENCY_COST[self.replicas[r].residency(adapter)]
         open_home = sorted((r for r in home if loads[r] < bound), key=cost)
-        warm_spill = [r for r in order[k:] if loads[r] < bound and warm(r)]
+        warm_spill = [r for r in others if loads[r] < bound and warm(r)]
         # past `bound` a home takes more before the request spills to a replica that must read the adapter cold
         stretched = sorted((r for r in home if bound <= loads[r] < cold_bound), key=cost)
-        # a saturated fleet: every replica runs a full batch on average, so a cold copy adds a read and an
-        # eviction, not capacity (34 req/s on 4 replicas of 0.25 cores, benchmarks/RESULTS.md "fourteenth
-        # session": cold spills took the hit rate to 0.82); the home set and warm copies wait (Serve retries)
+        # saturated: a cold copy adds a read and an eviction, not capacity (34 req/s on 4 replicas of 0.25 cores:
+        # hit rate 0.82, RESULTS.md "fourteenth session"); the home set and warm copies wait (Serve retries)
         saturated = self._saturated(mean)
         cold_spill = [] if saturated else self._cold_order(
-            [r for r in order[k:] if loads[r] < bound and not warm(r)], now)
+            [r for r in others if loads[r] < bound and not warm(r)], now)
         if open_home and not self._may_serve(adapter, open_home[0], now):   # out of cold budget: a copy first
             open_home, warm_spill = warm_spill + open_home, []
         # A replica whose steps already hold its LoRA budget of other adapters queues the request until a whole
@@ -216,28 +221,11 @@ class AffinityPolicy:
         return self.min_spill_load if self.min_spill_load is not None else max(1, math.ceil(self._capacity() / 4))
 
     def knobs(self, now: float) -> tuple[float, float]:
-        """home_share and cold_spill_factor now. A fleet whose live adapters (routed in the last live_s) fill more
-        than short_cache_ratio of its replicas' host slots is short of cache: a second copy of an adapter then
-        evicts one that is live, and its next request reads it again (benchmarks/fleet.py's 4 replicas x 48
-        slots for 160-178 live adapters, replayed in the simulation: a cold spill cost about 1.6 misses). There
-        an adapter spreads early, at short_home_share (more homes, so warm ones), and a home takes up to
-        short_cold_spill_factor x the mean load before a request spills cold."""
-        # counted once a second: the router's dict holds every adapter it saw
-        if self.short_ratio is not None and now - self._short_at >= 1.0:
-            slots = [v.host_slots for v in self.replicas.values()]
-            live = sum(now - d.routed_at < self.live_s for d in self.demand.values())
-            short = None not in slots and live > self.short_ratio * sum(slots)
-            if short != self._short:   # in the Serve logs of the process this router runs in
-                logger.info("adapter-affinity routing: %d adapters live, %s host slots in the fleet: %s",
-                            live, sum(slots) if None not in slots else "unreported",
-                            "short of host cache (home_share %g, cold_spill_factor %g)" % self.short_knobs
-                            if short else "back to home_share %g, cold_spill_factor %g" % (
-                                self.home_share, self.cold_spill_factor))
-            self._short, self._short_at = short, now
-        return self.short_knobs if self._short else (self.home_share, self.cold_spill_factor)
+        """home_share and cold_spill_factor now: the short_* ones in a fleet short of host cache (shortage.py)."""
+        return self.shortage.knobs(now, self.replicas, self.demand)
 
     def home_size(self, adapter: str, now: float | None = None, mean_load: float | None = None,
-                  home_share: float | None = None) -> int:
+                  home_share: float | None = None, grow: bool = True) -> int:
         """An adapter's home grows to carry its demand at `home_share` of a replica's fair share of the load (the
         mean load, at least the spill floor, at most the replica's capacity): a hot adapter spreads at any load,
         the tail stays at home (one request in flight is never a reason for a second home)."""
@@ -248,7 +236,7 @@ class AffinityPolicy:
         share = max(1.0, (home_share or self.home_share) * min(self._capacity(), max(self._spill_floor(), mean_load)))
         limit = min(self.max_home or len(self.replicas), len(self.replicas))
         needed = min(limit, max(1, math.ceil(self._demand_now(adapter, now) / share)))
-        if self._saturated(mean_load):   # queued requests inflate demand, a home adds nothing
+        if self._saturated(mean_load) or not grow:   # queued requests inflate demand, a home adds nothing
             needed = min(needed, d.home)
         if needed >= d.home:
             d.home, d.needed_since = needed, now
@@ -256,6 +244,18 @@ class AffinityPolicy:
             d.home, d.needed_since = d.home - 1, now
         d.home = min(d.home, limit)
         return d.home
+
+    def home_set(self, adapter: str, order: list[str], k: int) -> list[str]:
+        """The claimant (the head of `order`), then the extra homes the adapter took as it heated, each the replica
+        of least average load when taken, kept while the set lasts. (In hash order a second home was as often a loaded
+        replica as not: 4 x 200 adapters at Zipf 1.0 give the homes 0.13-0.37 of the traffic, benchmarks/fleet.py.)"""
+        d = self.demand[adapter]
+        extra = [r for r in d.extra if r in self.replicas and r != order[0]][:k - 1]
+        while len(extra) < k - 1:
+            taken = {order[0], *extra}
+            extra.append(min((r for r in order if r not in taken), key=lambda r: self.replicas[r].load_avg))
+        d.extra = extra
+        return [order[0], *extra]
 
     def _demand_now(self, adapter: str, now: float | None = None) -> float:
         d = self.demand.get(adapter)

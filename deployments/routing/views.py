@@ -25,6 +25,8 @@ class ReplicaView:
     homes: frozenset[str] = frozenset()            # adapters it is the home of (routing/prefetch.py bounded_homes)
     active: dict[str, int] = field(default_factory=dict)   # adapter -> requests this router has in flight there
     sent_cold: dict[str, float] = field(default_factory=dict)   # adapter -> when sent cold, until reported
+    load_avg: float = 0.0                          # load, averaged over the demand half-life (extra homes)
+    averaged_at: float = 0.0
     tokens: float = 0.0                            # cold-load budget left
     refilled: float = 0.0                          # when tokens were last refilled
 
@@ -44,6 +46,7 @@ class Demand:
     peak: float = 0.0         # in-flight peak, decayed with demand_half_life_s
     seen: float = 0.0         # when `peak` was last updated
     home: int = 1             # current home-set size
+    extra: list[str] = field(default_factory=list)   # homes beyond the claimant, in the order taken
     needed_since: float = 0.0  # when the home set last needed its current size
     routed_at: float = 0.0    # its last request
 
