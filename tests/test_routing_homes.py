@@ -54,3 +54,15 @@ def test_inside_the_home_set_a_cold_home_waits_until_the_warm_ones_are_at_the_bo
     for _ in range(2):
         p.routed("x", order[0])                          # 8: the home is at the bound
     assert p.rank("x")[0] == order[1]
+
+
+def test_an_adapter_homed_on_every_replica_still_routes_when_one_leaves():
+    """The fleet benchmark's replica kill (4 replicas, its top adapter homed on all 4): ranking it raised once the
+    killed replica left, and Serve left each of its requests pending until the replacement joined."""
+    p, _ = policy(replicas=4, capacity=4, home_share=0.25)
+    for _ in range(16):
+        p.routed("top", p.rank("top")[0])
+    assert p.home_size("top") == 4
+    order = p.order("top")
+    p.set_replicas(order[:3])
+    assert sorted(p.rank("top")) == sorted(order[:3])

@@ -249,7 +249,7 @@ class AffinityPolicy:
         """The claimant (the head of `order`), then the extra homes the adapter took as it heated, each the replica
         of least average load when taken, kept while the set lasts. (In hash order a second home was as often a loaded
         replica as not: 4 x 200 adapters at Zipf 1.0 give the homes 0.13-0.37 of the traffic, benchmarks/fleet.py.)"""
-        d = self.demand[adapter]
+        d, k = self.demand[adapter], min(k, len(order))   # a set of every replica outlives one leaving
         extra = [r for r in d.extra if r in self.replicas and r != order[0]][:k - 1]
         while len(extra) < k - 1:
             taken = {order[0], *extra}

@@ -13,12 +13,15 @@ and moves to the next at once when a replica is at `max_ongoing_requests` (no ba
 """
 from __future__ import annotations
 
+import logging
 import time
 from typing import List, Optional
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from deployments.routing.policy import AffinityPolicy
+
+logger = logging.getLogger("ray.serve")
 
 
 class AdapterAffinityRouter(RequestRouter):
@@ -48,7 +51,11 @@ class AdapterAffinityRouter(RequestRouter):
         pending_request.routing_context.should_backoff = True   # every replica full: back off, then retry
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         adapter = pending_request.metadata.multiplexed_model_id or None
-        ranked = [r for r in self.policy.rank(adapter) if r in by_id]
+        try:
+            ranked = [r for r in self.policy.rank(adapter) if r in by_id]
+        except Exception:   # noqa: BLE001  it would end Serve's routing task and leave the request pending, unrouted
+            logger.exception("adapter-affinity routing failed for adapter %r: any replica this time", adapter)
+            return [candidate_replicas]
         self._forget_choice(pending_request.metadata.internal_request_id)   # a retry chooses again
         self._expire_choices()
         if ranked:
