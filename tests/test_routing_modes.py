@@ -56,13 +56,13 @@ def test_a_fleet_short_of_host_cache_stretches_a_home_instead_of_spilling_cold()
 def test_the_short_cache_mode_ends_when_the_live_adapters_fit_again(caplog):
     p, clock = short_fleet()
     with caplog.at_level("INFO", logger="ray.serve"):
-        assert p.knobs(clock.now) == p.short_knobs
+        assert p.shortage.knobs(clock.now, p.replicas, p.demand) == p.short_knobs
         clock.now += p.shortage.live_s + 1              # nobody asked for those 25 since: not live any more
-        assert p.knobs(clock.now) == (p.home_share, p.cold_spill_factor)
+        assert p.shortage.knobs(clock.now, p.replicas, p.demand) == (p.home_share, p.cold_spill_factor)
     assert ["short of host cache" in m or "back to home_share" in m for m in caplog.messages] == [True, True]
     assert "25 adapters live, 40 host slots" in caplog.messages[0]
     fresh, clock = policy(replicas=4)            # replicas that do not report their host slots: never short
     for a in ADAPTERS[:25]:
         fresh.routed(a, fresh.rank(a)[0])
     clock.now += 1.5
-    assert fresh.knobs(clock.now) == (fresh.home_share, fresh.cold_spill_factor)
+    assert fresh.shortage.knobs(clock.now, fresh.replicas, fresh.demand) == (fresh.home_share, fresh.cold_spill_factor)

@@ -5,22 +5,20 @@ simulation (benchmarks/fleet_sim.py) drive this same class.
 
 - Every adapter has a home set of `k` replicas: the head of its rendezvous (highest-random-weight) order
   over the live replicas (or the replica reporting it among its even share of homes, prefetch.py), then
-  the replicas of least average load when it heated. Each replica's host cache then holds its share of
-  the adapters instead of every replica holding the same hot few, and a replica joining or leaving moves
-  only the adapters whose order it heads (hash order never depends on the other replicas).
+  extra homes taken as it heated, each the less loaded of the next two in that order. The replicas' host
+  caches then partition the adapters, and a replica joining or leaving moves only the adapters it heads.
 - `k` follows the adapter's demand (its peak in-flight requests, decayed): ceil(demand / (home_share *
-  replica capacity)), at least 1, at most max_home. It grows at once while every home is at the
-  bounded-load limit and shrinks one step per cool-down, so a hot adapter spreads as it heats and its
-  copies are not thrown away at once.
-- Inside the home set a warm replica wins over a cold one, then the least cost: in-flight requests plus a
-  residency penalty (device slot < host memory < loading < cold). One at or over the bounded-load limit
-  (load_factor x the mean load with this request, as consistent hashing with bounded loads) is passed
-  over; the request spills to the next replica in hash order, before any replica rejects it.
+  replica capacity)), at least 1, at most max_home; it grows at once and shrinks one step per cool-down.
+- Inside the home set the least cost wins: in-flight requests plus a residency penalty (device slot < host
+  memory < loading < cold). One at or over the bounded-load limit (load_factor x the mean load with this
+  request, as consistent hashing with bounded loads) is passed over; the request spills to the next
+  replica in hash order, before any replica rejects it.
 - Cold loads cost each replica a token of a bucket (cold_loads_per_s, burst cold_burst): a burst of
   cold adapters goes to replicas with tokens left, so it cannot flush one replica's hot adapters. A
   replica whose host cache would evict the last resident copy of an adapter that still has traffic
   is passed over for a cold load (the last-copy rule).
-- A fleet short of host cache spreads hot adapters earlier and stretches a home further (shortage.py).
+- A fleet short of host cache (shortage.py) spreads hot adapters earlier and stretches a home further, but
+  grows a home set only when each of its homes is at the limit, and a warm home beats a cold one there.
 - Base-model requests (no adapter) go to the least-loaded replica.
 
 Nothing is refused here: the ranking lists every live replica (the rules only order them), except in a
@@ -129,10 +127,14 @@ class AffinityPolicy:
         now = self.clock()
         order = self.order(adapter)
         mean = (sum(loads.values()) + 1) / len(loads)
-        home_share, cold_spill_factor = self.knobs(now)
+        home_share, cold_spill_factor = self.shortage.knobs(now, self.replicas, self.demand)   # short_* when short
         bound = max(self._spill_floor(), math.ceil(self.load_factor * mean))
-        d = self.demand.get(adapter)   # a home set grows only when each of its homes is at the bound
-        crowded = d is None or min(loads[r] for r in self.home_set(adapter, order, d.home)) >= bound
+        # short of cache a copy evicts a live adapter: a home set grows only when each of its homes is at the bound,
+        # and a home that holds the adapter beats a cold one below it (with room to spare, neither: benchmarks/
+        # fleet_sim.py's 64 x 10,000 drift phase had TTFT p99 1.72 s without them, 2.77 s with them)
+        short = self.shortage.short
+        d = self.demand.get(adapter)
+        crowded = d is None or not short or min(loads[r] for r in self.home_set(adapter, order, d.home)) >= bound
         k = self.home_size(adapter, now, mean, home_share, grow=crowded)
         home = self.home_set(adapter, order, k)
         home_set = set(home)
@@ -142,8 +144,8 @@ class AffinityPolicy:
         def warm(r: str) -> bool:
             return self.replicas[r].residency(adapter) != "cold"
 
-        def cost(r: str) -> tuple[bool, float]:   # a cold home only when every warm one is at the bound
-            return not warm(r), loads[r] + RESIDENCY_COST[self.replicas[r].residency(adapter)]
+        def cost(r: str) -> tuple[bool, float]:
+            return short and not warm(r), loads[r] + RESIDENCY_COST[self.replicas[r].residency(adapter)]
         open_home = sorted((r for r in home if loads[r] < bound), key=cost)
         warm_spill = [r for r in others if loads[r] < bound and warm(r)]
         # past `bound` a home takes more before the request spills to a replica that must read the adapter cold
@@ -220,10 +222,6 @@ class AffinityPolicy:
         of a rarely used adapter is a cold read and a second copy (default: a quarter of a replica's capacity)."""
         return self.min_spill_load if self.min_spill_load is not None else max(1, math.ceil(self._capacity() / 4))
 
-    def knobs(self, now: float) -> tuple[float, float]:
-        """home_share and cold_spill_factor now: the short_* ones in a fleet short of host cache (shortage.py)."""
-        return self.shortage.knobs(now, self.replicas, self.demand)
-
     def home_size(self, adapter: str, now: float | None = None, mean_load: float | None = None,
                   home_share: float | None = None, grow: bool = True) -> int:
         """An adapter's home grows to carry its demand at `home_share` of a replica's fair share of the load (the
@@ -246,14 +244,15 @@ class AffinityPolicy:
         return d.home
 
     def home_set(self, adapter: str, order: list[str], k: int) -> list[str]:
-        """The claimant (the head of `order`), then the extra homes the adapter took as it heated, each the replica
-        of least average load when taken, kept while the set lasts. (In hash order a second home was as often a loaded
-        replica as not: 4 x 200 adapters at Zipf 1.0 give the homes 0.13-0.37 of the traffic, benchmarks/fleet.py.)"""
+        """The claimant (the head of `order`), then the extra homes the adapter took as it heated, each the less
+        loaded on average of the next two in hash order when taken, kept while the set lasts. (The next one alone was as
+        often a loaded replica as not: 4 x 200 adapters at Zipf 1.0 give the homes 0.13-0.37 of the traffic.)"""
         d, k = self.demand[adapter], min(k, len(order))   # a set of every replica outlives one leaving
         extra = [r for r in d.extra if r in self.replicas and r != order[0]][:k - 1]
         while len(extra) < k - 1:
             taken = {order[0], *extra}
-            extra.append(min((r for r in order if r not in taken), key=lambda r: self.replicas[r].load_avg))
+            free = [r for r in order if r not in taken][:2]   # of two: the least loaded of all herded (64 replicas)
+            extra.append(min(free, key=lambda r: self.replicas[r].load_avg))
         d.extra = extra
         return [order[0], *extra]
 

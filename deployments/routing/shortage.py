@@ -15,8 +15,8 @@ logger = logging.getLogger("ray.serve")
 
 class CacheShortage:
     def __init__(self, ratio: float | None, live_s: float, normal: tuple[float, float], short: tuple[float, float]):
-        self.ratio, self.live_s, self.normal, self.short = ratio, live_s, normal, short
-        self._short, self._at = False, float("-inf")
+        self.ratio, self.live_s, self.normal, self.short_knobs = ratio, live_s, normal, short
+        self.short, self._at = False, float("-inf")
 
     def knobs(self, now: float, replicas: dict, demand: dict) -> tuple[float, float]:
         """(home_share, cold_spill_factor) now, from the replicas' reported host slots and the adapters' demand."""
@@ -25,10 +25,10 @@ class CacheShortage:
             slots = [v.host_slots for v in replicas.values()]
             live = sum(now - d.routed_at < self.live_s for d in demand.values())
             short = None not in slots and live > self.ratio * sum(slots)
-            if short != self._short:   # in the Serve logs of the process this router runs in
+            if short != self.short:   # in the Serve logs of the process this router runs in
                 logger.info("adapter-affinity routing: %d adapters live, %s host slots in the fleet: %s",
                             live, sum(slots) if None not in slots else "unreported",
-                            "short of host cache (home_share %g, cold_spill_factor %g)" % self.short
+                            "short of host cache (home_share %g, cold_spill_factor %g)" % self.short_knobs
                             if short else "back to home_share %g, cold_spill_factor %g" % self.normal)
-            self._short, self._at = short, now
-        return self.short if self._short else self.normal
+            self.short, self._at = short, now
+        return self.short_knobs if self.short else self.normal
