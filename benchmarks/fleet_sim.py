@@ -68,6 +68,8 @@ class Scenario:
     background_jobs: float = 0.0    # with `cores`: other processes' runnable threads, sharing the cores too
     path_latency_s: float = 0.0     # the rest of the serving path, waiting rather than working
     path_before_routing: float = 0.0   # the share of `path_s` done before the router chooses (proxy, ingress)
+    replica_cores: float | None = None  # with `cores`: each replica's steps on a quota of their own (fleet.py
+    #                                     --replica-cpus), the paths and the background on the `cores` left
     lengths: tuple = ()             # make_workload's length arguments, as (name, value) pairs
 
 
@@ -90,6 +92,8 @@ class Simulation:
         self.cold_loads: list[float] = []      # when each cold load started
         self.cpu = (SharedCpu(scenario.cores, lambda: self.now, self.at, scenario.background_jobs) if scenario.cores
                     else None)
+        self.replica_cpus = [SharedCpu(scenario.replica_cores, lambda: self.now, self.at) for _ in self.replicas] \
+            if scenario.cores and scenario.replica_cores else None
 
     def set_costs(self, costs: StepCosts, path_s: float, path_latency_s: float, background_jobs: float) -> None:
         """Costs from now on (benchmarks/fleet_validate.py: each replayed run has its own machine load)."""
@@ -167,7 +171,10 @@ class Simulation:
     def maybe_step(self, replica: Replica) -> None:
         if replica.busy or not replica.has_work():
             return
-        self.after(replica.start_step(self.now), self.step_done, replica)
+        if self.replica_cpus:
+            self.replica_cpus[replica.index].start(replica.start_step(self.now), self.step_done, replica)
+        else:
+            self.after(replica.start_step(self.now), self.step_done, replica)
 
     def step_done(self, replica: Replica) -> None:
         for req in replica.end_step(self.now):

@@ -14,7 +14,8 @@ is AffinityPolicy itself, with its replicas' home prefetch; Serve's default is R
 - the serving work outside the engine: results/fleet_path_cpu.json (benchmarks/fleet_path_cpu.py: CPU seconds of
   every process of a Ray session serving lone requests): per request, less its prefill step, the CPU work of its
   path before the engine; per further token, less a decode step, work added to the step that gives the token;
-- the cores: steps and paths share `--cores` (this machine's 2) as processor sharing (benchmarks/fleet_cpu.py)
+- the cores: steps and paths share `--cores` (this machine's 2) as processor sharing (benchmarks/fleet_cpu.py); a
+  run on replicas with CPU quotas (fleet.py --replica-cpus) steps each replica on its quota, the paths on the rest
   with `background` runnable jobs (Ray, the other application, other users), fitted per run until its simulated
   TPOT p50 is the real one (the runs alternate on a machine that others share: each has its own load);
 - what of a lone request's path is waiting rather than work: the median TTFT of the runs' first requests (the
@@ -89,12 +90,13 @@ class Replay:
     """Every plain run of a recorded fleet.py result, per routing in the recorded order on one simulated fleet."""
 
     def __init__(self, real: dict, cores: float, max_num_batched_tokens: int, path_cpu_s: float,
-                 before_routing: float):
+                 before_routing: float, replica_cores: float | None = None):
         from benchmarks.fleet import SETTINGS, workloads
 
         self.fleet = FleetSpec(**real["fleet"])
         self.spec = spec_of(self.fleet, max_num_batched_tokens)
         self.cores, self.path_cpu_s, self.before_routing = cores, path_cpu_s, before_routing
+        self.replica_cores = replica_cores
         self.floor_s = 0.0   # a lone request's path on this run's machine: path_floor()
         self.runs = [(i, r["setting"], r["routing"]) for i, r in enumerate(real["runs"]) if r["routing"] in ROUTERS]
         self.requests: dict[int, tuple[list, list]] = {}
@@ -115,7 +117,7 @@ class Replay:
         for routing, router in ROUTERS.items():
             scenario = Scenario(replicas=self.fleet.replicas, num_adapters=self.fleet.num_adapters,
                                 rate=self.fleet.rate, duration_s=0.0, warmup_s=0.0, spec=self.spec, cores=self.cores,
-                                path_before_routing=self.before_routing)
+                                path_before_routing=self.before_routing, replica_cores=self.replica_cores)
             sim = Simulation(scenario, costs, router, seed, options if router == "adapter-affinity" else ())
             configured = adapter_names(self.fleet.num_adapters)[-self.spec.max_loaded_loras:]
             for replica in sim.replicas:
@@ -235,7 +237,12 @@ def validate(real_path: Path, probe: dict, cores: float, seeds: int, before_rout
     calibration = json.loads((RESULTS / "fleet_calibration.json").read_text())
     engine = calibrated_costs()
     costs, path_cpu_s = serving_costs(engine, probe)
-    replay = Replay(real, cores, calibration["engine"]["max_num_batched_tokens"], path_cpu_s, before_routing)
+    # a run whose replicas had CPU quotas (fleet.py --replica-cpus): their steps on those, the rest on the cores left
+    replica_cores = real.get("replica_cpus")
+    if replica_cores:
+        cores -= real["fleet"]["replicas"] * replica_cores
+    replay = Replay(real, cores, calibration["engine"]["max_num_batched_tokens"], path_cpu_s, before_routing,
+                    replica_cores)
     replay.floor_s = path_floor(replay, records, engine)
     fits = {}
     for fit in FITS:
@@ -248,7 +255,7 @@ def validate(real_path: Path, probe: dict, cores: float, seeds: int, before_rout
                      "rows": compare(real, records, predicted)}
     return {"real_path": str(real_path.resolve().relative_to(RESULTS.parent.parent)), "real_started": real["started"],
             "records": str(records_path), "replicas": replay.fleet.replicas, "num_adapters": replay.fleet.num_adapters,
-            "duration_s": real["duration_s"], "cores": cores, "seeds": seeds,
+            "duration_s": real["duration_s"], "cores": cores, "replica_cores": replica_cores, "seeds": seeds,
             "engine_costs": dataclasses.asdict(engine), "costs": dataclasses.asdict(costs), "path_cpu_s": path_cpu_s,
             "path_floor_s": replay.floor_s, "path_before_routing": before_routing, "fits": fits}
 

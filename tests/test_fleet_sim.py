@@ -184,3 +184,17 @@ def test_the_serving_path_is_work_on_the_shared_cores_split_at_the_routing_decis
     Simulation(spec, COSTS, "adapter-affinity").run([request])
     assert request.routed_at == pytest.approx(1.005)
     assert request.first_token_at == pytest.approx(1.0 + 0.02 + 0.005 + COSTS.disk_load_s + COSTS.step_s(1, 1, 8, 1))
+
+
+def test_replicas_with_cpu_quotas_step_on_their_own_share_not_on_the_idle_cores():
+    """Two requests on one replica of a 2-replica fleet: with 2 shared cores each step runs at a full core; on quotas
+    of 0.5 core each it takes twice as long, whatever the other replica's quota leaves idle."""
+    finished = {}
+    for quota in (None, 0.5):
+        requests = [SimRequest(0.0, "a0", 8, 3), SimRequest(0.0, "a0", 8, 3)]
+        sim = Simulation(Scenario(replicas=2, num_adapters=0, rate=0.0, duration_s=0.0, warmup_s=0.0, spec=SPEC,
+                                  cores=2.0, replica_cores=quota), COSTS, "adapter-affinity")
+        sim.run(requests)
+        assert {r.replica for r in requests} == {requests[0].replica}   # both at the adapter's home
+        finished[quota] = requests[0].finished_at - COSTS.disk_load_s   # the read is not CPU work
+    assert finished[0.5] == pytest.approx(2 * finished[None])
