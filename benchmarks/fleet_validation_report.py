@@ -13,8 +13,11 @@ def markdown(result: dict) -> str:
              f"{result['num_adapters']} adapters, {result['duration_s']:g} s runs. Engine steps from "
              "results/fleet_calibration.json; serving work measured by results/fleet_path_cpu.json (per request "
              f"{1e3 * result['path_cpu_s']:.1f} ms of CPU before the engine, per token "
-             f"{1e3 * result['costs']['per_token_s']:.2f} ms beside the step); steps and paths share "
-             f"{result['cores']:g} cores with `background` jobs, fitted per run (two ways: below); a lone request's "
+             f"{1e3 * result['costs']['per_token_s']:.2f} ms beside the step); " + (
+                 f"each replica's steps on a quota of {result['replica_cores']:g} cores (processor sharing), the "
+                 f"paths on the {result['cores']:g} cores left" if result.get("replica_cores") else
+                 f"steps and paths share {result['cores']:g} cores") +
+             " with `background` jobs, fitted per run (two ways: below); a lone request's "
              f"path {1e3 * result['path_floor_s']:.1f} ms (the runs' first requests), "
              f"{result['path_before_routing']:.0%} of its work before the router chooses. Predicted: mean of "
              f"{result['seeds']} seeds (range in brackets). ✗: off by more than {BOUND:.0%}."]

@@ -225,8 +225,8 @@ class AffinityPolicy:
     def home_size(self, adapter: str, now: float | None = None, mean_load: float | None = None,
                   home_share: float | None = None, grow: bool = True) -> int:
         """An adapter's home grows to carry its demand at `home_share` of a replica's fair share of the load (the
-        mean load, at least the spill floor, at most the replica's capacity): a hot adapter spreads at any load,
-        the tail stays at home (one request in flight is never a reason for a second home)."""
+        mean load, at least the spill floor, at most the replica's capacity): a hot adapter spreads at any load
+        (`grow` False: not now), the tail stays at home (one request in flight is never a reason for a second home)."""
         now = self.clock() if now is None else now
         d = self.demand.setdefault(adapter, Demand(seen=now, needed_since=now))
         if mean_load is None:

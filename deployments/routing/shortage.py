@@ -1,10 +1,11 @@
-"""Whether a fleet is short of host cache, for the adapter-affinity policy (policy.py `knobs`).
+"""Whether a fleet is short of host cache, for the adapter-affinity policy (policy.py `rank`).
 
 A fleet whose live adapters (routed in the last live_s) fill more than `ratio` of its replicas' host slots is
 short of cache: a second copy of an adapter then evicts one that is live, and its next request reads it again
 (benchmarks/fleet.py's 4 replicas x 48 slots for 160-178 live adapters, replayed in the simulation: a cold spill
 cost about 1.6 misses). There an adapter spreads early, at short_home_share (more homes, so warm ones), and a home
-takes up to short_cold_spill_factor x the mean load before a request spills cold.
+takes up to short_cold_spill_factor x the mean load before a request spills cold; the policy also grows a home set
+only while each of its homes is at the bounded-load limit, and prefers a home that holds the adapter (`short`).
 """
 from __future__ import annotations
 
