@@ -237,7 +237,8 @@ def markdown(result: dict) -> str:
             "ttft_p99_over_single", "tpot_p50_s", "output_tok_s", "imbalance_p99", "hotspot_max_over_mean",
             "distinct_adapters_per_step", "lost")
     lines = [f"### Fleet simulation: {FLEET_SCENARIO.replicas} replicas x {FLEET_SCENARIO.num_adapters:,} adapters",
-             "", f"`{result.get('command', 'python -m benchmarks.fleet_sim')}`; arrivals and lengths: " + TRACE_CITATION + f", {FLEET_SCENARIO.rate:g} req/s, "
+             "", f"`{result.get('command', 'python -m benchmarks.fleet_sim')}`; arrivals and lengths: "
+             + TRACE_CITATION + f", {FLEET_SCENARIO.rate:g} req/s, "
              f"{FLEET_SCENARIO.warmup_s:g} s warm-up then {FLEET_SCENARIO.duration_s:g} s measured per phase; "
              "replica costs NPU_COSTS (assumed, fleet_sim.py), spec " + json.dumps(asdict(NPU_SPEC)) + "; admission: "
              f"the engine's LoRABudget, lora_max_wait_steps {MAX_WAIT_STEPS} (fleet_admission.py).", "",
