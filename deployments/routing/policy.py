@@ -130,8 +130,8 @@ class AffinityPolicy:
         home_share, cold_spill_factor = self.shortage.knobs(now, self.replicas, self.demand)   # short_* when short
         bound = max(self._spill_floor(), math.ceil(self.load_factor * mean))
         # short of cache a copy evicts a live adapter: a home set grows only when each of its homes is at the bound,
-        # and a home that holds the adapter beats a cold one below it (with room to spare, neither: benchmarks/
-        # fleet_sim.py's 64 x 10,000 drift phase had TTFT p99 1.72 s without them, 2.77 s with them)
+        # and a home that holds the adapter beats a cold one below it (with room to spare, neither: in benchmarks/
+        # fleet_sim.py's 64 x 10,000 drift phase the growth rule took imbalance to 1.25, warm-first TTFT p99 to 2.8 s)
         short = self.shortage.short
         d = self.demand.get(adapter)
         crowded = d is None or not short or min(loads[r] for r in self.home_set(adapter, order, d.home)) >= bound
