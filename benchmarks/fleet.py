@@ -186,10 +186,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--rate", type=float, default=None, help="probe another rate than FLEET.rate (req/s)")
     parser.add_argument("--replica-cpus", type=float, default=None,
                         help="a CPU quota per replica, in cores (benchmarks/replica_cpu.py; needs root)")
+    parser.add_argument("--fleet", type=json.loads, default={},
+                        help='other FleetSpec sizes than FLEET\'s, e.g. \'{"max_num_seqs": 8, "max_loaded_loras": 64}\'')
     parser.add_argument("--routing-options", type=json.loads, default=None,
                         help='probe AffinityPolicy knobs for ours, e.g. \'{"min_spill_load": 8}\'')
     args = parser.parse_args(argv)
-    fleet = dataclasses.replace(FLEET, rate=args.rate or FLEET.rate)
+    fleet = dataclasses.replace(FLEET, **{"rate": args.rate or FLEET.rate, **args.fleet})
     duration = 20.0 if args.quick else fleet.duration_s
     from transformers import AutoConfig
 
@@ -223,7 +225,7 @@ def main(argv=None) -> dict:
               "runs": [{k: v for k, v in r.items() if k != "records"} for r in runs]}
     name = "fleet" + ("_quick" if args.quick else "") + (f"_rate{args.rate:g}" if args.rate else "") + (
         f"_cpus{args.replica_cpus:g}" if args.replica_cpus else "") + "".join(
-        f"_{key}{value}" for key, value in sorted((args.routing_options or {}).items()))
+        f"_{key}{value}" for key, value in sorted({**args.fleet, **(args.routing_options or {})}.items()))
     print(write_result(name, result))
     (RESULTS / f"{name}.md").write_text(markdown(result))
     return result

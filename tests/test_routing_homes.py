@@ -18,10 +18,10 @@ def settled(p, clock, loads: dict[str, float]) -> None:
 
 
 def short_of_cache(p, clock) -> None:
-    """One host slot per replica and 3 adapters live: more than half of the fleet's 4 slots."""
+    """One host slot per replica and 4 adapters live: every slot of the fleet, so the short knobs in full."""
     for r in p.replicas:
         p.report(r, capacity=16, host_slots=1)
-    for a in ("x0", "x1", "x2"):
+    for a in ("x0", "x1", "x2", "x3"):
         p.routed(a, p.order(a)[0])
         p.completed(a, p.order(a)[0])
     clock.now += 1.5
