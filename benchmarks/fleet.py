@@ -2,7 +2,8 @@
 conversation trace's arrivals (benchmarks/fleet_workload.py), Serve's default multiplexed routing against ours
 (adapter affinity, deployments/routing/) on the same arrivals.
 
-    .venv/bin/python -m benchmarks.fleet [--quick] [--pairs 2] [--no-kill]
+    .venv/bin/python -m benchmarks.fleet [--quick] [--pairs 2] [--no-kill] [--rate R] [--replica-cpus C]
+        [--fleet '{"max_num_seqs": 8, "max_loaded_loras": 64}'] [--routing-options '{...}']
 
 Both applications are deployed side by side for the whole run (the same model, adapters and sizes; only
 `routing` differs), so a run of one and a run of the other alternate without redeploying: per setting a, b (the
@@ -13,7 +14,8 @@ setting's popularity; 2 tokens each, sent fast), so that what is measured is the
 the first-touch misses of a short run; then the setting's arrivals, open loop. Last, our routing with one replica
 killed (ray.kill of its actor) mid-run: the windowed host-cache hit rate from 1 s polls says when it is back
 above 0.9.
-Results: benchmarks/results/fleet.json and fleet.md; the request records under .cache/fleet/.
+Results: benchmarks/results/fleet.json and fleet.md (a probe's options in the names); the request records under
+.cache/fleet/.
 """
 from __future__ import annotations
 
@@ -187,7 +189,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--replica-cpus", type=float, default=None,
                         help="a CPU quota per replica, in cores (benchmarks/replica_cpu.py; needs root)")
     parser.add_argument("--fleet", type=json.loads, default={},
-                        help='other FleetSpec sizes than FLEET\'s, e.g. \'{"max_num_seqs": 8, "max_loaded_loras": 64}\'')
+                        help='FleetSpec sizes other than FLEET\'s, e.g. \'{"max_num_seqs": 8}\'')
     parser.add_argument("--routing-options", type=json.loads, default=None,
                         help='probe AffinityPolicy knobs for ours, e.g. \'{"min_spill_load": 8}\'')
     args = parser.parse_args(argv)

@@ -45,7 +45,7 @@ class AffinityPolicy:
                  max_home: int | None = None, cooldown_s: float = 30.0, demand_half_life_s: float = 10.0,
                  cold_loads_per_s: float = 2.0, cold_burst: float = 4.0, sent_cold_ttl_s: float = 5.0,
                  short_cache_ratio: float | None = 0.5, short_home_share: float = 0.25,
-                 short_cold_spill_factor: float = 3.0, live_s: float = 60.0,
+                 short_cold_spill_factor: float = 1.5, live_s: float = 60.0,
                  clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None):
         if not 0 < home_share <= 1:
             raise ValueError(f"home_share must be in (0, 1], got {home_share!r}")

@@ -6,7 +6,8 @@ short of cache: a second copy of an adapter then evicts one that is live, and it
 cost about 1.6 misses). There an adapter spreads early, at short_home_share (more homes, so warm ones), and a home
 takes more than cold_spill_factor x the mean load before a request spills cold: up to short_cold_spill_factor x
 when every slot holds a live adapter, in proportion between (with 64 slots a replica, 70 % of them live, a factor of
-3 let a hot adapter's homes hold 1.8-2.0x the mean load at 28 req/s, benchmarks/RESULTS.md "sixteenth session");
+3 let a hot adapter's homes hold 1.8-2.0x the mean load at 28 req/s; 1.5, about 1.3 there, kept the hit rate at
+0.96 with imbalance 1.20-1.29; benchmarks/RESULTS.md "sixteenth session");
 the policy also grows a home set only while each of its homes is at the bounded-load limit, and prefers a home
 that holds the adapter (`short`).
 """
