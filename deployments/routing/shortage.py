@@ -7,9 +7,8 @@ cost about 1.6 misses). There an adapter spreads early, at short_home_share (mor
 takes more than cold_spill_factor x the mean load before a request spills cold: up to short_cold_spill_factor x
 when every slot holds a live adapter, in proportion between (with 64 slots a replica, 70 % of them live, a factor of
 3 let a hot adapter's homes hold 1.8-2.0x the mean load at 28 req/s; 1.5, about 1.3 there, kept the hit rate at
-0.96 with imbalance 1.20-1.29; benchmarks/RESULTS.md "sixteenth session");
-the policy also grows a home set only while each of its homes is at the bounded-load limit, and prefers a home
-that holds the adapter (`short`).
+0.96 with imbalance 1.20-1.29; benchmarks/RESULTS.md "sixteenth session"); the policy also grows a home set only
+while each of its homes is at the bounded-load limit, and prefers a home that holds the adapter (`short`).
 """
 from __future__ import annotations
 
@@ -31,10 +30,10 @@ class CacheShortage:
             live = sum(now - d.routed_at < self.live_s for d in demand.values())
             fullness = live / sum(slots) if None not in slots and sum(slots) else 0.0
             short = fullness > self.ratio
-            # how far from `ratio` to every slot live: the cold spill factor goes from normal to short with it
-            depth = min(1.0, (fullness - self.ratio) / (1 - self.ratio)) if short and self.ratio < 1 else 1.0
-            (_, spill), (short_share, short_spill) = self.normal, self.short_knobs
-            self._short_now = (short_share, spill + depth * (short_spill - spill))
+            if short:   # how far from `ratio` to every slot live: the cold spill factor goes from normal to short
+                depth = min(1.0, (fullness - self.ratio) / (1 - self.ratio)) if self.ratio < 1 else 1.0
+                (_, spill), (short_share, short_spill) = self.normal, self.short_knobs
+                self._short_now = (short_share, spill + depth * (short_spill - spill))
             if short != self.short:   # in the Serve logs of the process this router runs in
                 logger.info("adapter-affinity routing: %d adapters live, %s host slots in the fleet: %s",
                             live, sum(slots) if None not in slots else "unreported",
