@@ -44,7 +44,7 @@ def test_a_fleet_short_of_host_cache_stretches_a_home_instead_of_spilling_cold()
     adapter = ADAPTERS[100]
     ranks = {}
     for ratio in (0.5, None):
-        p, clock = short_fleet(short_cache_ratio=ratio)
+        p, clock = short_fleet(short_cache_ratio=ratio, cold_spill_margin=0)   # the factors alone decide
         home = p.rank(adapter)[0]
         for r in p.replicas:   # the home at 6 requests, the others at 4: mean 4.75 with this request, bound 5
             p.report(r, load=6 if r == home else 4)

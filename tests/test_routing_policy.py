@@ -216,6 +216,23 @@ def test_past_the_bound_a_copy_elsewhere_goes_first_then_the_home_then_a_cold_re
     assert p.rank(adapter)[:3] == [order[2], order[1], order[3]]
 
 
+def test_a_home_takes_cold_spill_margin_requests_past_the_bound_before_one_spills_cold():
+    """At a few requests in flight both factors round to the same bound: the margin keeps a cold read elsewhere
+    for a home that is really behind."""
+    def first(home_load: int, **knobs) -> bool:
+        p, _ = policy(replicas=4, capacity=8, **knobs)     # spill floor 2
+        order = p.order("a")
+        for r in order:
+            p.report(r, capacity=8, load=home_load if r == order[0] else 2)
+        return p.rank("a")[0] == order[0]
+    assert first(2)                                    # under the bound (3 at mean 2.25)
+    assert not first(3, cold_spill_margin=0)           # at the bound: cold to the next in hash order
+    assert first(3) and first(5)                       # the margin: up to bound + 2 (5 at mean 3)
+    assert not first(6)                                # past it (mean 3.25: bound 4, cold bound 6)
+    with pytest.raises(ValueError, match="cold_spill_margin"):
+        AffinityPolicy(cold_spill_margin=-1)
+
+
 def test_a_replica_whose_lora_budget_is_full_gives_way_to_a_copy_that_admits_the_adapter_now():
     p, _ = policy(replicas=3, capacity=8, min_spill_load=8)   # loads far under any bound: the budget alone
     adapter = "a"
