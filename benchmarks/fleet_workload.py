@@ -144,6 +144,8 @@ class FleetSpec:
     # host cache per replica: 4 x 48 < 200 adapters, so placement matters (one replica holds a quarter of them);
     # at 32 even an ideal one-home-per-adapter LRU tops out near 0.87 at Zipf 1.0 (benchmarks/RESULTS.md, fleet)
     max_loaded_loras: int = 48
+    # Serve's router sends a pinned adapter elsewhere only when its replica rejects at this bound; Ray Serve LLM
+    # deploys LLMServer with 1e9 (never rejects): `--fleet '{"max_ongoing_requests": 1000000000}'` measures that
     max_ongoing_requests: int = 32
     rate: float = 16.0                  # requests per second over the fleet: busy, not overloaded, on 2 shared cores
                                         # (20 req/s: TTFT p99 ~0.3 s, steady; benchmarks/RESULTS.md, fleet)
