@@ -36,10 +36,9 @@ from workers.async_engine import AsyncLLMEngine
 from workers.config import SamplingParams
 from workers.engine_process import start_engine
 from workers.heap import freeze_startup_heap
-from workers.request import EngineRequest
-from workers.limits import check_token_ids
 from workers.output import TokenNames
 from workers.reasoning import think_tokens
+from workers.request import EngineRequest, check_token_ids
 from workers.sequence import RequestOutput
 
 Prompt = str | list[int]

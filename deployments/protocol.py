@@ -173,7 +173,7 @@ class CompletionRequest(OpenAIRequest):
         prompt = self.prompt
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             return [prompt]
-        if not prompt:   # no prompt at all (each prompt's own rule is workers.limits.check_prompt, once)
+        if not prompt:   # no prompt at all (each prompt's own rule is workers.request.check_prompt, once)
             raise ValueError("prompt is empty")
         if len(prompt) > MAX_PROMPTS:
             raise ValueError(f"prompt holds {len(prompt)} prompts; at most {MAX_PROMPTS} per request")

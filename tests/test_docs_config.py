@@ -2,6 +2,7 @@
 and LLMConfig now, and every relative link of the README and of docs/ leads to a file of the repository."""
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -59,11 +60,18 @@ def test_the_readme_starts_with_the_two_commands_and_stays_short():
     assert len(lines) <= 220
 
 
-def test_the_request_path_counts_its_files_and_each_exists():
+def test_the_request_path_names_every_file_the_request_was_measured_to_run():
+    """benchmarks/request_path.py measured which files one streamed chat request runs; the page names each of
+    them and states their number (run it again after moving code: this fails until the page and the
+    measurement agree)."""
     page = (ROOT / "docs" / "architecture.md").read_text()
     path = page.split("<!-- request-path:start -->", 1)[1].split("<!-- request-path:end -->", 1)[0]
-    files = set(re.findall(r"`((?:deployments|workers|lora)/[\w/]+\.(?:py|c))`", path))
-    missing = [f for f in files if not (ROOT / f).is_file()]
+    named = set(re.findall(r"`((?:deployments|workers|lora)/[\w/]+\.(?:py|c|h))`", path))
+    missing = [f for f in named if not (ROOT / f).is_file()]
     assert not missing, missing
-    [stated] = re.findall(r"Files on the path: (\d+)", path)
-    assert int(stated) == len(files), sorted(files)
+    measured = json.loads((ROOT / "benchmarks" / "results" / "request_path.json").read_text())
+    gone = [f for f in measured["files"] if not (ROOT / f).is_file()]
+    assert not gone, f"measured files that no longer exist: {gone}; run python -m benchmarks.request_path"
+    assert not set(measured["files"]) - named, sorted(set(measured["files"]) - named)
+    [stated] = re.findall(r"Files on the path: (\d+) Python files", path)
+    assert int(stated) == measured["num_files"] == len(measured["files"])

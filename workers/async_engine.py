@@ -17,21 +17,61 @@ import dataclasses
 import itertools
 import threading
 from contextlib import aclosing
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 from workers.config import SamplingParams
 from workers.core_client import EngineCoreClient, ThreadCoreClient
 from workers.errors import EngineDeadError, RequestError
 from workers.grammar import StructuredSpec
-from workers.request import EngineRequest, build_request
 from workers.output import RequestState
+from workers.request import EngineRequest, build_request
 from workers.sequence import RequestOutput, TokenDelta
-from workers.stream import RequestStream
 from workers.tokenizer import PromptEncoder, load_tokenizer
 
 if TYPE_CHECKING:   # the engine (torch) is loaded by whoever builds one: a replica whose engine runs in a
     from workers.core import EngineCore   # process of its own never imports it
     from workers.engine import Prompt
+
+
+class RequestStream:
+    """The channel of one request's outputs: deltas not read yet, handed from the step thread (the client's
+    sink) to the reader's event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.pending: list[TokenDelta] = []
+        self.error: BaseException | None = None
+        self.ended = False
+        self.ready = asyncio.Event()
+
+    def put(self, item: TokenDelta | BaseException) -> None:
+        """Runs on the event loop. An error or a finished delta is final: nothing comes after it."""
+        if self.ended:
+            return
+        if isinstance(item, BaseException):
+            self.error, self.ended = item, True
+        else:
+            self.pending.append(item)
+            self.ended = item.finished
+        self.ready.set()
+
+    def call_threadsafe(self, fn: Callable, *args) -> None:
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:   # the caller's loop is closed: nobody is reading any more
+            pass
+
+    def put_threadsafe(self, item: TokenDelta | BaseException) -> None:
+        self.call_threadsafe(self.put, item)
+
+    async def get(self) -> list[TokenDelta]:
+        """Every delta since the last call (at least one); an error at once (what it cut short is moot)."""
+        await self.ready.wait()
+        self.ready.clear()
+        if self.error is not None:
+            raise self.error
+        items, self.pending = self.pending, []
+        return items
 
 
 class AsyncLLMEngine:

@@ -12,9 +12,8 @@ from typing import Sequence as Seq
 
 from workers.config import EngineConfig, SamplingParams
 from workers.core import EngineCore
-from workers.limits import check_prompt_chars
 from workers.output import RequestState
-from workers.request import EngineRequest, build_request
+from workers.request import EngineRequest, build_request, check_prompt_chars
 from workers.sequence import RequestOutput
 from workers.tokenizer import encode, max_prompt_chars
 

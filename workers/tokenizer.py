@@ -16,7 +16,7 @@ import importlib
 from pathlib import Path
 from typing import Any
 
-from workers.limits import check_prompt_chars
+from workers.request import check_prompt_chars
 
 # Normalizers may compose characters (NFC / NFKC: a base letter and its combining marks become one),
 # so a text can shrink before it is split into tokens; 4x covers composition with room to spare.
