@@ -17,7 +17,7 @@ Pure Python (no Ray): the Serve router (deployments/routing/router.py) and bench
   cold adapters goes to replicas with tokens left, so it cannot flush one replica's hot adapters. A
   replica whose host cache would evict the last resident copy of an adapter that still has traffic
   is passed over for a cold load (the last-copy rule).
-- A fleet short of host cache (shortage.py) spreads hot adapters earlier and stretches a home further, but
+- A fleet short of host cache (views.py `CacheShortage`) spreads hot adapters earlier and stretches a home further, but
   grows a home set only when each of its homes is at the limit, and a warm home beats a cold one there.
 - Base-model requests (no adapter) go to the least-loaded replica.
 
@@ -31,8 +31,7 @@ import random
 import time
 from typing import Callable, Iterable
 
-from deployments.routing.shortage import CacheShortage
-from deployments.routing.views import RESIDENCY_COST, Demand, ReplicaView, rendezvous_order
+from deployments.routing.views import RESIDENCY_COST, CacheShortage, Demand, ReplicaView, rendezvous_order
 
 ORDER_CACHE_SIZE = 1 << 16   # adapters whose hash order is kept (recomputed when the replicas change)
 SATURATED = 1.5              # mean load / a replica's capacity (max_num_seqs) past which the fleet is saturated
