@@ -7,8 +7,8 @@ benchmarks/path_trace/ on PYTHONPATH, so each of its Python processes (the ingre
 process, Serve's own) notes the functions of the repository it runs. After warm-up requests, three windows of
 the same length: one streamed chat completion for an adapter, nothing (what runs anyway: health checks,
 routing stats, the registry's long poll, metrics), and the request again. A file is on the path when the
-request windows ran a function of it that the idle window did not; C kernels are not seen (they are named in
-docs/architecture.md by hand).
+request ran a function of it in both its windows that the idle window did not run; C kernels are not seen
+(they are named in docs/architecture.md by hand).
 """
 from __future__ import annotations
 
@@ -34,16 +34,24 @@ def _serve(out: Path, port: int) -> subprocess.Popen:
     env = {**os.environ, "LS_PATH_TRACE": str(out), "LS_PATH_TRACE_ROOT": str(ROOT),
            "PYTHONPATH": os.pathsep.join([str(ROOT / "benchmarks" / "path_trace"), str(ROOT)]),
            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
-    proc = subprocess.Popen([sys.executable, "-m", "deployments.cli", "serve", "--demo", "--port", str(port)],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = out / "serve.log"   # a file, not a pipe: nobody reads a pipe once serving, and a full one stalls the CLI
+    with log.open("w") as sink:
+        proc = subprocess.Popen([sys.executable, "-m", "deployments.cli", "serve", "--demo", "--port", str(port)],
+                                cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
-    for line in proc.stdout:
-        if "serving 'loraserve-demo'" in line:
+    while time.monotonic() < deadline and proc.poll() is None:
+        if "serving 'loraserve-demo'" in log.read_text(errors="replace"):
             return proc
-        if time.monotonic() > deadline:
-            break
-    proc.kill()
-    raise RuntimeError("loraserve serve --demo did not start")
+        time.sleep(0.5)
+    _stop(proc)
+    raise RuntimeError(f"loraserve serve --demo did not start:\n{log.read_text(errors='replace')[-2000:]}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGINT: the CLI stops Serve and the Ray processes it started (a kill would leave them)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=120)
 
 
 def _chat(port: int) -> None:
@@ -82,13 +90,15 @@ def measure(port: int) -> dict:
                 _chat(port)
             first, idle, second = _window(out, port), _window(out, None), _window(out, port)
         finally:
-            proc.send_signal(signal.SIGINT)
-            proc.wait(timeout=120)
-    idle_all = set().union(*idle.values())
+            _stop(proc)
+    # the request's: run in both request windows and not in the idle one (a background timer firing in one
+    # window, e.g. the registry's check for a deleted app, is not the request's)
+    requested = set().union(*first.values()) & set().union(*second.values())
+    requested -= set().union(*idle.values())
     seen: dict[str, tuple[set, set]] = {}   # file -> (processes, functions)
     for pid in first.keys() | second.keys():
         ran = first.get(pid, set()) | second.get(pid, set())
-        for function in ran - idle_all:
+        for function in ran & requested:
             name, qualname = function.split(":", 1)
             processes, functions = seen.setdefault(name, (set(), set()))
             processes.add(_role(ran))
@@ -106,7 +116,8 @@ def markdown(result: dict) -> str:
         "# One streamed chat request's files, measured", "",
         f"`{result['command']}` on {result['machine']['processor']}, {result['date']}: `loraserve serve --demo` "
         "(TP 1, CPU, engine process), `POST /v1/chat/completions` with `stream: true` for an adapter, 8 tokens.",
-        "A file counts when the request ran a function of it that an idle window of the same length did not.", "",
+        "A file counts when the request ran a function of it in both request windows that an idle window of the "
+        "same length did not.", "",
         f"**{result['num_files']} Python files, {result['num_lines']} lines** (C kernels not counted).", "",
         "| file | lines | process | functions the request ran |", "|---|---|---|---|", *rows, ""])
 
