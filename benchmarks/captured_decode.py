@@ -72,7 +72,7 @@ def run(sizes: Sizes = SIZES, dtype: str = "bfloat16", lengths=(2048, 32768), fu
         engine = make_engine(path, dtype, sizes, n, kv_blocks(n), emulate_capture=True)
         for i, source in enumerate(sources[:8]):
             engine.load_adapter(adapter_name(i), str(source))
-        graphs = engine.executor.runner.graph_runner
+        graphs = engine.executor.graph_runner
         if name.startswith("full_width"):
             graphs.widths = (graphs.width,)     # the old behaviour: one graph per batch bucket, full width
         start = time.perf_counter()

@@ -108,7 +108,7 @@ with tempfile.TemporaryDirectory(prefix="gpu-check-lora-") as tmp:
 
     device = engine(device=args.device, **({"emulate_capture": True} if args.device == "cpu" else {}))
     got = device.generate(prompts, params, adapters=wanted)
-    runner = device.executor.runner
+    runner = device.executor
     graphs = sorted(runner.graph_runner.graphs)
     want = engine(device="cpu", enforce_eager=True).generate(prompts, params, adapters=wanted)
     print(f"{args.device}: {torch.cuda.get_device_name(0) if args.device == 'cuda' else 'CPU (capture emulated)'}; "
@@ -190,7 +190,7 @@ with tempfile.TemporaryDirectory(prefix="gpu-check-moe-") as tmp:
 
     device = engine(device=args.device, **({"emulate_capture": True} if args.device == "cpu" else {}))
     got, got_grammar = run(device)
-    graphs = sorted(device.executor.runner.graph_runner.graphs)
+    graphs = sorted(device.executor.graph_runner.graphs)
     want, want_grammar = run(engine(device="cpu", enforce_eager=True))
     print(f"{args.device}: {torch.cuda.get_device_name(0) if args.device == 'cuda' else 'CPU (capture emulated)'}; "
           f"Qwen3-MoE, {len(prompts)} mixed requests (4 adapters and the base) + 4 constrained, fp32; "
@@ -297,7 +297,7 @@ engine = LLMEngine(EngineConfig(
     max_model_len=sizes.prompt_len + sizes.max_tokens + 16, max_loras_per_batch=sizes.max_loras_per_batch,
     max_loaded_loras=sizes.max_loaded_loras, max_lora_rank=sizes.rank, kv_cache_memory_gb=2.0,
     lora_target_modules=ALL7))
-assert engine.executor.runner.graph_runner.graphs, "no CUDA graph was captured"
+assert engine.executor.graph_runner.graphs, "no CUDA graph was captured"
 for i in range(8):
     engine.load_adapter(adapter_name(i), str(paths[i]))
 prompts = make_prompts(sizes)

@@ -84,7 +84,7 @@ def timed_graphs(engine, totals: dict):
     from workers import cpu_graph
 
     def graphs():
-        return [entry[0] for entry in engine.executor.runner.graph_runner.cpu_graphs.values() if entry is not None]
+        return [entry[0] for entry in engine.executor.graph_runner.cpu_graphs.values() if entry is not None]
     for graph in graphs():
         graph.reset_times()
     cpu_graph.PROFILE = True

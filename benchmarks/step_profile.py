@@ -65,12 +65,12 @@ def run(sizes: Sizes = FULL, dtype: str = "bfloat16", rounds: int = 3, log=print
     samples: dict[str, list[dict]] = {name: [] for name, *_ in VARIANTS}
     try:
         for name, lora, kernels, graphs in VARIANTS:   # warm-up: every shape of the run once, each way
-            cpu_ops.ENABLED, engines[lora].executor.runner.graph_runner.use_cpu_graphs = kernels, graphs
+            cpu_ops.ENABLED, engines[lora].executor.graph_runner.use_cpu_graphs = kernels, graphs
             run_requests(engines[lora], prompts, [None] * len(prompts), 4)
         for r in range(rounds):
             k = r % len(VARIANTS)
             for name, lora, kernels, graphs in VARIANTS[k:] + VARIANTS[:k]:
-                cpu_ops.ENABLED, engines[lora].executor.runner.graph_runner.use_cpu_graphs = kernels, graphs
+                cpu_ops.ENABLED, engines[lora].executor.graph_runner.use_cpu_graphs = kernels, graphs
                 samples[name].append(measure(engines[lora], prompts, sizes))
                 row = samples[name][-1]
                 plain = run_requests(engines[lora], prompts, [None] * len(prompts), sizes.max_tokens)

@@ -66,7 +66,7 @@ def make_engine(model_dir, dtype: str, settings: dict, threads: int):
 
 def set_skip(engine, skip: bool) -> None:
     """Off: the code before the skip (every group for any slots); on: the slot pool's own groups_of."""
-    pool = engine.executor.runner.slot_pool
+    pool = engine.executor.slot_pool
     if skip:
         pool.__dict__.pop("groups_of", None)
     else:
@@ -95,7 +95,7 @@ def timed_run(engine, prompts, c: int, max_tokens: int) -> dict:
 
 def tape_ops(engine) -> dict:
     """Ops on each captured decode tape by (batch, LoRA tier): the time-independent count of what a tier skips."""
-    runner = engine.executor.runner.graph_runner
+    runner = engine.executor.graph_runner
     names = {tier: "none" if not tier else "all" if tier == runner.tiers[-1] else "projections"
              for tier in runner.tiers}
     return {f"batch {b}, {names[tier]}": graph.num_ops for (b, _, tier), (graph, _) in sorted(

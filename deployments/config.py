@@ -62,7 +62,7 @@ class LLMConfig(BaseModel):
     # each replica's heartbeat to the adapter registry (its stats; silent for 4 periods, 3 s at least: gone);
     # hot-load and unload reach every replica at once (a long poll: adapter_mirror.py)
     registry_sync_interval_s: float = Field(1.0, gt=0)
-    # A stream's events ready within this window go to the ingress as one item (deployments/stream_batch.py):
+    # A stream's events ready within this window go to the ingress as one item (deployments/render.py `batched`):
     # several decode steps on an accelerator, less than one on a CPU; it adds at most this to a token's latency
     stream_batch_interval_ms: float = Field(10.0, ge=0, le=1000)
     # The engine in a process of its own (workers/engine_process.py, vLLM's EngineCore) when it runs in the

@@ -25,10 +25,9 @@ from deployments.loopback import bind_replica_grpc_to_node_ip
 from deployments.metrics import ServerMetrics
 from deployments.replica_adapters import ReplicaAdapters
 from deployments.replica_health import ReplicaHealth
-from deployments.render import RenderedChoices, RenderSpec
+from deployments.render import RenderedChoices, RenderSpec, batched
 from deployments.responses_render import RenderedResponse, ResponsesSpec
 from deployments.served_output import ServedOutput
-from deployments.stream_batch import batched
 from deployments.vllm_metrics import RequestTimer
 from lora.errors import AdapterNotFoundError
 from lora.sources import is_hub_id

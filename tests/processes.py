@@ -47,9 +47,9 @@ def decode_address(hex_address: str) -> tuple[ipaddress.IPv4Address | ipaddress.
 
 
 def engine_processes(root: int) -> list[int]:
-    """The engine processes (workers/engine_core.py, started by workers/engine_process.py) among `root`'s
+    """The engine processes (workers/engine_process.py's child) among `root`'s
     descendants."""
-    return [pid for pid in process_tree(root)[1:] if "workers.engine_core" in command_line(pid)]
+    return [pid for pid in process_tree(root)[1:] if "workers.engine_process" in command_line(pid)]
 
 
 def listening_sockets(pids: list[int]) -> list[Listener]:

@@ -59,7 +59,7 @@ def _spoil(path, how: str, other):
 
 def _poison(executor, name: str):
     """Rank-side fault: the copy a rank installs has a B of the wrong shape, so its slot load raises."""
-    get = executor.get_adapter if hasattr(executor, "get_adapter") else executor.runner.get_adapter
+    get = executor.get_adapter   # a WorkerGroup's (it ships adapters to the ranks) or the ModelRunner's (TP 1)
 
     def poisoned(ref):
         adapter = get(ref)
@@ -68,10 +68,9 @@ def _poison(executor, name: str):
         weights = {key: dataclasses.replace(w, lora_b=w.lora_b[:-1]) for key, w in adapter.weights.items()}
         return dataclasses.replace(adapter, weights=weights)
 
-    if hasattr(executor, "get_adapter"):
-        executor.get_adapter, executor._shipped = poisoned, type(executor._shipped)()
-    else:
-        executor.runner.get_adapter = poisoned
+    executor.get_adapter = poisoned
+    if hasattr(executor, "_shipped"):   # a WorkerGroup: what it shipped before is shipped again, poisoned
+        executor._shipped = type(executor._shipped)()
     return get
 
 
@@ -101,7 +100,7 @@ def test_a_rank_that_cannot_install_an_adapter_fails_only_its_requests_tp1(model
     engine.adapters.forget_slot(engine.adapters.current("A"))      # A is installed again, from the poisoned copy
     original = _poison(engine.executor, "A")
     _check_isolated(engine, reference)
-    engine.executor.runner.get_adapter = original
+    engine.executor.get_adapter = original
     assert _run(engine) == reference      # the next request for A loads it into a slot again
 
 

@@ -25,14 +25,14 @@ def _engine(model_dir, **kw):
 def test_decode_step_runs_under_fake_tensor_mode(model_dir):
     engine = _engine(model_dir)
     engine.generate(PROMPTS[:3], GREEDY)          # real KV content and a non-trivial state
-    graphs = engine.executor.runner.graph_runner
+    graphs = engine.executor.graph_runner
     b = graphs.buckets[2]
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         for buf in ("input_ids", "positions", "slot_mapping", "context_lens", "block_tables", "token_slots"):
             setattr(graphs, buf, mode.from_tensor(getattr(graphs, buf)))
         batch = graphs._batch(b, graphs.width, graphs._graph_lora(b, None))
         with OpLog() as log:
-            logits = engine.executor.runner.model(batch, engine.executor.runner.kv_cache)
+            logits = engine.executor.model(batch, engine.executor.kv_cache)
         assert "loraserve::bgmv_add" in log.names, "the graph-safe LoRA did not run through the kernel's op"
         assert logits.shape == (b, engine.runtime.hf_config.vocab_size)
         state = SamplerState(b, logits.shape[-1], 8, "cpu")
@@ -85,7 +85,7 @@ def test_cuda_graph_capture_replays_identically(model_dir):
     path = str(model_dir("qwen3"))
     eager = LLMEngine(EngineConfig(model=path, device="cuda", dtype="float32", enforce_eager=True))
     captured = LLMEngine(EngineConfig(model=path, device="cuda", dtype="float32"))
-    assert captured.executor.runner.graph_runner.graphs, "no graph was captured"
+    assert captured.executor.graph_runner.graphs, "no graph was captured"
     a = eager.generate(PROMPTS, GREEDY)
     b = captured.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]

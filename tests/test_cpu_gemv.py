@@ -140,7 +140,7 @@ def _generate(path: str, monkeypatch, enabled: bool, **config):
     engine = LLMEngine(EngineConfig(model=path, dtype="bfloat16", device="cpu", **config))
     try:
         out = engine.generate(PROMPTS[:3], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
-        graphs = engine.executor.runner.graph_runner.graphs.values()
+        graphs = engine.executor.graph_runner.graphs.values()
         recorded = {entry.func for graph, _ in graphs for entry in graph._tape}
         assert bool(calls) == enabled   # eager steps, or the captured op's replays
         assert (torch.ops.loraserve.packed_gemv.default in recorded) == (enabled and bool(graphs))

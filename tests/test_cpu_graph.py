@@ -19,7 +19,7 @@ def _generate(path: str, prompts=PROMPTS[:3], adapters_of=None, adapters=None, p
         for name, source in (adapters or {}).items():
             engine.load_adapter(name, str(source))
         out = engine.generate(prompts, params, adapters_of)
-        return out, dict(engine.executor.runner.graph_runner.cpu_graphs)
+        return out, dict(engine.executor.graph_runner.cpu_graphs)
     finally:
         engine.close()
 
@@ -225,7 +225,7 @@ def test_served_streams_replay_graphs_and_all_finish(model_dir, tmp_path, kind):
         assert [len(o.token_ids) for o in outs] == [p.max_tokens for p in params]
         assert all(o.finish_reason == "length" for o in outs)
         if inner is not None and cpu_gemv.max_rows() >= 8:
-            graphs = inner.executor.runner.graph_runner.cpu_graphs
+            graphs = inner.executor.graph_runner.cpu_graphs
             assert {b for b, _ in graphs} >= {1, 2, 4} and all(g is not None for g in graphs.values())
             assert any(tier for _, tier in graphs)
     finally:

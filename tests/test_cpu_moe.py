@@ -149,13 +149,13 @@ def _generate(path, adapters, monkeypatch, enabled: bool, **config):
     monkeypatch.setattr(cpu_moe, "ENABLED", enabled)
     engine = engine_with_adapters(path, adapters, max_lora_rank=8, **config)
     try:
-        experts = [m for m in engine.executor.runner.model.modules() if isinstance(m, moe_experts.GroupedLinear)]
+        experts = [m for m in engine.executor.model.modules() if isinstance(m, moe_experts.GroupedLinear)]
         assert experts and all(m.packed is None for m in experts) == enabled   # the kernel reads them unpacked
         assert not enabled or all(huge_pages.advised(m.weight) for m in experts)
         names = [None, "experts"] * 3
         params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
         out = engine.generate([PROMPTS[i % len(PROMPTS)] for i in range(len(names))], params, adapters=names)
-        graphs = engine.executor.runner.graph_runner.graphs.values()
+        graphs = engine.executor.graph_runner.graphs.values()
         recorded = {entry.func for graph, _ in graphs for entry in graph._tape}
         expected = {torch.ops.loraserve.moe_grouped_gemm.default} if cpu_moe.KERNEL_ROWS_PER_EXPERT > 100 else GROUPED
         assert bool(recorded & expected) == (enabled and bool(graphs))

@@ -108,7 +108,7 @@ def test_per_token_entry_matches_reference(pattern, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_step_split_between_torch_and_the_kernel_matches_reference(dtype):
-    from lora.backends.cpu import GEMM_MIN_TOKENS, CpuBackend
+    from lora.backends.cpu_sgmv import GEMM_MIN_TOKENS, CpuBackend
     many = GEMM_MIN_TOKENS
     ranks = [16, 8, 1, 3, 15, 16, 16, 2]
     a, b, offsets = make_linear_buffers(ranks, 16, IN_DIM, OUT_SIZES, dtype, torch.Generator().manual_seed(9))

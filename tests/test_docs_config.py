@@ -61,9 +61,9 @@ def test_the_readme_starts_with_the_two_commands_and_stays_short():
 
 
 def test_the_request_path_names_every_file_the_request_was_measured_to_run():
-    """benchmarks/request_path.py measured which files one streamed chat request runs; the page names each of
-    them and states their number (run it again after moving code: this fails until the page and the
-    measurement agree)."""
+    """benchmarks/request_path.py measured which files one streamed chat request runs and the path that joins
+    its stages; the page names each file, puts the path's in bold, and states both numbers (run it again after
+    moving code: this fails until the page and the measurement agree). Issue 40: at most 20 files on the path."""
     page = (ROOT / "docs" / "architecture.md").read_text()
     path = page.split("<!-- request-path:start -->", 1)[1].split("<!-- request-path:end -->", 1)[0]
     named = set(re.findall(r"`((?:deployments|workers|lora)/[\w/]+\.(?:py|c|h))`", path))
@@ -73,5 +73,11 @@ def test_the_request_path_names_every_file_the_request_was_measured_to_run():
     gone = [f for f in measured["files"] if not (ROOT / f).is_file()]
     assert not gone, f"measured files that no longer exist: {gone}; run python -m benchmarks.request_path"
     assert not set(measured["files"]) - named, sorted(set(measured["files"]) - named)
-    [stated] = re.findall(r"Files on the path: (\d+) Python files", path)
-    assert int(stated) == measured["num_files"] == len(measured["files"])
+    bold = re.findall(r"\*\*`((?:deployments|workers|lora)/[\w/]+\.py)`\*\*", path)
+    assert sorted(bold) == sorted(measured["path"]), (sorted(set(bold) ^ set(measured["path"])))
+    assert set(measured["path"]) <= set(measured["files"])
+    assert len(measured["path"]) == measured["num_path_files"] <= 20
+    [(on_path, with_helpers)] = re.findall(r"Files on the path: (\d+) Python files, [\d,]+ lines; with the "
+                                           r"helpers they call, (\d+) Python files", path)
+    assert int(on_path) == measured["num_path_files"]
+    assert int(with_helpers) == measured["num_files"] == len(measured["files"])

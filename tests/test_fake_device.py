@@ -20,7 +20,7 @@ from lora_fixtures import ALL7
 from workers import EngineConfig, LLMEngine, SamplingParams
 from workers.device import PLATFORMS
 from workers.grammar import StructuredSpec
-from workers.worker import Worker
+from workers.worker import make_runner
 
 pytestmark = pytest.mark.slow   # make test-fast skips it: whole engines through the emulators
 
@@ -104,7 +104,7 @@ def _device_engine(model, adapters, platform, **kw):
     engine's own, every tensor the worker computes with is on the device."""
     config = EngineConfig(model=str(model), device="cpu", dtype="float32", max_lora_rank=16, **kw)
     engine = LLMEngine(config)
-    engine.executor = Worker(dataclasses.replace(config, device="npu"), engine.runtime, platform,
+    engine.executor = make_runner(dataclasses.replace(config, device="npu"), engine.runtime, platform,
                              engine._resident_adapter)
     for name, source in adapters.items():
         engine.load_adapter(name, source)
@@ -130,7 +130,7 @@ def test_decode_steps_on_the_device_equal_the_cpu_engine(model, adapters, graph_
         engine = _device_engine(model, adapters, platform, lora_backend="torch_native",
                                 graph_safe_decode=graph_safe, max_loras_per_batch=2)
         assert tier.pin_requests[-1] is True           # the device worker holds its device: it may pin
-        runner = engine.executor.runner
+        runner = engine.executor
         assert on_device(runner.kv_cache.k) and on_device(runner.sampler_state.output_counts)
         assert on_device(runner.graph_runner.block_tables) and runner.lora_backend.name == "torch_native"
         got = engine.generate(PROMPTS[:4], sampling, adapters=NAMES)
@@ -150,14 +150,14 @@ def test_the_ascend_backend_runs_a_whole_engine_through_the_kernel_emulator(mode
         with FakeDevice():
             config = EngineConfig(model=str(model), device="cpu", max_lora_rank=16, **kw)
             engine = LLMEngine(config)
-            engine.executor = Worker(dataclasses.replace(config, device="npu", lora_backend=backend),
+            engine.executor = make_runner(dataclasses.replace(config, device="npu", lora_backend=backend),
                                      dataclasses.replace(engine.runtime, dtype="float16"), platform,
                                      engine._resident_adapter)
             for name, source in adapters.items():
                 engine.load_adapter(name, source)
             runs[backend] = [o.token_ids for o in engine.generate(PROMPTS[:4], GREEDY, adapters=NAMES)]
             if backend == "ascend":
-                assert engine.executor.runner.lora_backend.stats() == {"lora_backend": "ascend", "lora_fallbacks": {}}
+                assert engine.executor.lora_backend.stats() == {"lora_backend": "ascend", "lora_fallbacks": {}}
                 calls = dict(CALLS)
     assert calls["sgmv_shrink"] and calls["bgmv_shrink"] and calls["sgmv_expand"] and calls["bgmv_expand"]
     assert runs["ascend"] == runs["torch_native"]

@@ -11,7 +11,7 @@ from ascend_emulator import register_emulator
 from lora.backend_names import BACKENDS
 from lora.backends import get_backend
 from lora.backends.ascend import AscendBackend
-from lora.backends.cpu import CpuBackend
+from lora.backends.cpu_sgmv import CpuBackend
 from lora.backends.torch_native import TorchNativeBackend
 from lora_reference import OpLog, make_lora_case, ref_add_lora
 

@@ -31,7 +31,7 @@ class LoRACalls:
     """Which groups' LoRA ops ran (LayerLoRA calls), by wrapper group; in a capture, what the graph holds."""
 
     def __init__(self, engine, monkeypatch):
-        groups = {id(m.op): m.group for m in engine.executor.runner.model.modules() if isinstance(m, _LoRALayer)}
+        groups = {id(m.op): m.group for m in engine.executor.model.modules() if isinstance(m, _LoRALayer)}
         self.groups: list[str] = []
         call = LayerLoRA.__call__
 
@@ -61,7 +61,7 @@ def test_eager_steps_run_only_the_groups_their_adapters_target(setup, monkeypatc
     """The CPU default (eager decode, host segments) with the default targets: every module has buffers."""
     path, adapters, oracle = setup
     engine = LLMEngine(EngineConfig(model=str(path), device="cpu", dtype="float32", max_lora_rank=16))
-    assert set(engine.executor.runner.slot_pool.groups) == PROJECTIONS | {"embed_tokens", "lm_head"}
+    assert set(engine.executor.slot_pool.groups) == PROJECTIONS | {"embed_tokens", "lm_head"}
     for name, source in adapters.items():
         engine.load_adapter(name, str(source))
     calls = LoRACalls(engine, monkeypatch)
@@ -84,7 +84,7 @@ def test_hot_loaded_lm_head_adapter_is_exact_through_captured_decode(setup, monk
     path, adapters, oracle = setup
     engine = LLMEngine(EngineConfig(model=str(path), device="cpu", dtype="float32", max_lora_rank=16,
                                     emulate_capture=True))
-    runner = engine.executor.runner.graph_runner
+    runner = engine.executor.graph_runner
     everything = PROJECTIONS | {"embed_tokens", "lm_head"}
     assert runner.tiers == (frozenset(), PROJECTIONS, everything)
     engine.load_adapter("proj", str(adapters["proj"]))
@@ -126,7 +126,7 @@ def test_narrowed_targets_refuse_an_adapter_naming_a_module_left_out(setup):
     path, adapters, oracle = setup
     engine = LLMEngine(EngineConfig(model=str(path), device="cpu", dtype="float32", max_lora_rank=16,
                                     lora_target_modules=tuple(ALL7), emulate_capture=True))
-    assert engine.executor.runner.graph_runner.tiers == (frozenset(), PROJECTIONS)
+    assert engine.executor.graph_runner.tiers == (frozenset(), PROJECTIONS)
     with pytest.raises(AdapterTargetError, match="embed_tokens|lm_head"):
         engine.load_adapter("emb_head", str(adapters["emb_head"]))
     engine.load_adapter("proj", str(adapters["proj"]))
@@ -141,7 +141,7 @@ def test_tiers_and_the_narrowest_covering_one(model_dir):
     assert lora_tiers(everything) == (frozenset(), PROJECTIONS, everything)
     assert lora_tiers(frozenset({"lm_head"})) == (frozenset(), frozenset({"lm_head"}))
     engine = LLMEngine(EngineConfig(model=str(model_dir("qwen3")), device="cpu", emulate_capture=True))
-    runner, all_groups = engine.executor.runner.graph_runner, engine.executor.runner.graph_runner.tiers[-1]
+    runner, all_groups = engine.executor.graph_runner, engine.executor.graph_runner.tiers[-1]
     assert runner.tier(frozenset()) == frozenset() and runner.tier(frozenset({"o_proj"})) == PROJECTIONS
     assert runner.tier(frozenset({"lm_head"})) == runner.tier(None) == all_groups
     engine.close()

@@ -82,7 +82,7 @@ def test_base_matches_hf(tmp_path, hf_model, layout):
     path = make_moe_model(tmp_path / "model", seed=5, **layout)
     model, tokenizer = hf_model(path)
     engine = LLMEngine(EngineConfig(model=str(path), device="cpu", dtype="float32", enable_lora=False))
-    sparse = [i for i, layer in enumerate(engine.executor.runner.model.layers) if hasattr(layer.mlp, "experts")]
+    sparse = [i for i, layer in enumerate(engine.executor.model.layers) if hasattr(layer.mlp, "experts")]
     assert sparse == ([1] if layout else [0, 2])
     for prompt, out in zip(PROMPTS, engine.generate(PROMPTS, GREEDY)):
         ids = tokenizer(prompt, return_tensors="pt").input_ids
@@ -104,7 +104,7 @@ def test_mixed_batch_matches_hf_and_peft(moe, options):
     try:
         assert_matches(generate(engine), expected)
         if options.get("emulate_capture"):
-            assert engine.executor.runner.graph_runner.graphs, "no decode graph was captured"
+            assert engine.executor.graph_runner.graphs, "no decode graph was captured"
         if "max_loaded_loras" in options:
             assert engine.stats()["lora"]["slots"]["evictions"] > 0, "slot eviction never happened"
         if "max_expert_loras" in options:   # two adapters with experts share one expert slot; the others need none

@@ -182,7 +182,7 @@ def _generate(path, adapters, names, monkeypatch, fused: bool, **config):
     try:
         params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
         out = engine.generate([PROMPTS[i % len(PROMPTS)] for i in range(len(names))], params, adapters=names)
-        graphs = engine.executor.runner.graph_runner.graphs.values()
+        graphs = engine.executor.graph_runner.graphs.values()
         recorded = {entry.func for graph, _ in graphs for entry in graph._tape}
         if not any(names):   # base decode steps run the fused experts (a step with expert LoRA keeps its pipeline)
             assert bool(calls) == fused and bool(recorded & FUSED_OPS) == (fused and bool(graphs))

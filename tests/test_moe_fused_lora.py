@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from factories import PROMPTS, engine_with_adapters
-from lora.backends.cpu import CpuBackend
+from lora.backends.cpu_sgmv import CpuBackend
 from moe_factories import make_expert_adapter, make_moe_model
 from workers import SamplingParams, cpu_ops
 from workers.models import cpu_moe, moe_experts, moe_fused

@@ -196,7 +196,7 @@ def test_engine_on_a_fake_npu_matches_hf(moe, monkeypatch, graph_safe):
     from fake_device import FakeDevice, on_device
     from workers import EngineConfig, LLMEngine
     from workers.device import PLATFORMS
-    from workers.worker import Worker
+    from workers.worker import make_runner
 
     path, adapters, expected = moe
     emulator = TorchNpuMoeEmulator()
@@ -206,11 +206,11 @@ def test_engine_on_a_fake_npu_matches_hf(moe, monkeypatch, graph_safe):
                               lora_backend="torch_native", graph_safe_decode=graph_safe)
         engine = LLMEngine(config)
         platform = dataclasses.replace(PLATFORMS["npu"], supports_graphs=False)
-        engine.executor = Worker(dataclasses.replace(config, device="npu"), engine.runtime, platform,
+        engine.executor = make_runner(dataclasses.replace(config, device="npu"), engine.runtime, platform,
                                  engine._resident_adapter)
         for name, source in adapters.items():
             engine.load_adapter(name, str(source))
-        model = engine.executor.runner.model
+        model = engine.executor.model
         assert all(layer.mlp.kernel is not None for layer in model.layers if hasattr(layer.mlp, "experts"))
         assert on_device(next(model.parameters()))
         outs = generate(engine)
@@ -227,7 +227,7 @@ def test_captured_decode_through_the_npu_ops_matches_hf(moe, monkeypatch):
                                   prepack_weights=False)   # the NPU keeps [E, out, in] weights (no oneDNN packing)
     try:
         assert_matches_hf(generate(engine), expected)
-        assert engine.executor.runner.graph_runner.graphs, "no decode graph was captured"
+        assert engine.executor.graph_runner.graphs, "no decode graph was captured"
         assert emulator.calls["npu_moe_init_routing_v2"] > 0
     finally:
         engine.close()
@@ -241,7 +241,7 @@ def test_ascend_lora_backend_with_the_npu_moe_ops_on_a_fake_npu(tmp_path, monkey
     from fake_device import FakeDevice
     from workers import EngineConfig, LLMEngine
     from workers.device import PLATFORMS
-    from workers.worker import Worker
+    from workers.worker import make_runner
 
     register_emulator()
     path = make_moe_model(tmp_path / "model", moe_intermediate_size=32)   # slices of whole 32-byte blocks (kernels)
@@ -259,14 +259,14 @@ def test_ascend_lora_backend_with_the_npu_moe_ops_on_a_fake_npu(tmp_path, monkey
                                   lora_target_modules=("q_proj", "experts.gate_proj", "experts.up_proj",
                                                        "experts.down_proj"))
             engine = LLMEngine(config)
-            engine.executor = Worker(dataclasses.replace(config, device="npu", lora_backend=backend),
+            engine.executor = make_runner(dataclasses.replace(config, device="npu", lora_backend=backend),
                                      dataclasses.replace(engine.runtime, dtype="float16"), platform,
                                      engine._resident_adapter)
             for name, source in adapters.items():
                 engine.load_adapter(name, str(source))
             runs[backend] = [o.token_ids for o in generate(engine)]
             if backend == "ascend":
-                stats = engine.executor.runner.lora_backend.stats()
+                stats = engine.executor.lora_backend.stats()
     assert stats == {"lora_backend": "ascend", "lora_fallbacks": {}}, stats
     assert CALLS["sgmv_shrink"] > before.get("sgmv_shrink", 0) and CALLS["bgmv_expand"] > before.get("bgmv_expand", 0)
     assert emulator.calls["npu_grouped_matmul"] > 0

@@ -1,6 +1,6 @@
 """Acceptance (OpenAI API completeness, over HTTP): n and best_of, logprobs with real token names and
 top alternatives, echo with prompt logprobs, /tokenize, /detokenize, /v1/models/{id}, usage in streams; and a
-stream rendered in the replica crosses Ray in fewer items than it has events (deployments/stream_batch.py).
+stream rendered in the replica crosses Ray in fewer items than it has events (deployments/render.py `batched`).
 vLLM's fields the clients send: continuous_usage_stats, chat_template_kwargs (a template with Qwen3's thinking
 switch), reasoning_effort, max_tokens 0 scoring a prompt; every caller error a 400 body; readiness (the first
 answer of /v1/models lists the configured adapter) and /version. The reasoning parser (--reasoning-parser

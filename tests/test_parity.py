@@ -70,7 +70,7 @@ def test_prepacked_linears_compute_what_plain_ones_do(model_dir):
     path = str(model_dir("qwen3"))
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     packed = LLMEngine(EngineConfig(model=path, dtype="float32", device="cpu"))
-    assert any(m.weight.is_mkldnn for m in packed.executor.runner.model.modules() if hasattr(m, "weight")) \
+    assert any(m.weight.is_mkldnn for m in packed.executor.model.modules() if hasattr(m, "weight")) \
         or not torch.backends.mkldnn.is_available()
     plain = LLMEngine(EngineConfig(model=path, dtype="float32", device="cpu", prepack_weights=False))
     a, b = packed.generate(PROMPTS, params), plain.generate(PROMPTS, params)

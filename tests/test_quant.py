@@ -108,7 +108,7 @@ def test_writer_layout(quantized):
 def test_matches_reference_arithmetic(quantized, arch, backend, capture):
     _, dst, adapters = quantized(arch)
     engine = engine_for(dst, adapters, lora_backend=backend, emulate_capture=capture)
-    with exact_w8a8_calls(engine.executor.runner.model, dst) as checked, engine_rounding(engine) as ties:
+    with exact_w8a8_calls(engine.executor.model, dst) as checked, engine_rounding(engine) as ties:
         outs = run(engine)
     assert len(checked) == 4 * 2 and min(checked.values()) > 0, checked   # every layer's matmuls, bit-exact
     assert len(ties.tables) == 4 * 2
@@ -232,7 +232,7 @@ def test_ascend_lora_backend_on_w8a8_on_a_fake_npu(quantized, monkeypatch):
     from ascend_emulator import CALLS, register_emulator
     from fake_device import FakeDevice
     from workers.device import PLATFORMS
-    from workers.worker import Worker
+    from workers.worker import make_runner
 
     register_emulator()
     _, dst, adapters = quantized("qwen3")
@@ -247,7 +247,7 @@ def test_ascend_lora_backend_on_w8a8_on_a_fake_npu(quantized, monkeypatch):
                                   max_loras_per_batch=2, lora_target_modules=ALL7_MODULES)
             engine = LLMEngine(config)
             monkeypatch.setattr("workers.runner.w8a8_kernel", lambda platform, dtype: NpuW8A8(emulator))
-            engine.executor = Worker(dataclasses.replace(config, device="npu", lora_backend=backend),
+            engine.executor = make_runner(dataclasses.replace(config, device="npu", lora_backend=backend),
                                      dataclasses.replace(engine.runtime, dtype="float16"), platform,
                                      engine._resident_adapter)
             monkeypatch.undo()
@@ -255,7 +255,7 @@ def test_ascend_lora_backend_on_w8a8_on_a_fake_npu(quantized, monkeypatch):
                 engine.load_adapter(name, str(source))
             runs[backend] = [o.token_ids for o in engine.generate(PROMPTS[:4], GREEDY, adapters=names)]
             if backend == "ascend":
-                assert engine.executor.runner.lora_backend.stats() == {"lora_backend": "ascend", "lora_fallbacks": {}}
+                assert engine.executor.lora_backend.stats() == {"lora_backend": "ascend", "lora_fallbacks": {}}
     assert CALLS["bgmv_expand"] and emulator.calls["npu_quant_matmul"] > 0
     same = [a == b for a, b in zip(runs["ascend"], runs["torch_native"])]
     assert sum(same) >= len(same) - 1, runs

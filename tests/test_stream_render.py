@@ -1,5 +1,5 @@
 """Responses rendered in the replica (deployments/render.py) and its stream batched per window
-(deployments/stream_batch.py), without Ray (the end-to-end check that a streamed answer crosses Ray in
+(deployments/render.py `batched`), without Ray (the end-to-end check that a streamed answer crosses Ray in
 fewer items than it has events runs on test_openai_fields' app)."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse
 from deployments import responses as rs
 from deployments.served_output import ServedOutput
 from deployments.render import DONE, RenderSpec, StreamRenderer, join_body, render_choices
-from deployments.stream_batch import batched
+from deployments.render import batched
 from sse import events
 
 NAMES = {5: ("He", b"He"), 6: ("llo", b"llo"), 7: ("!", b"!"), 9: ("x", b"x")}

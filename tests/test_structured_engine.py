@@ -169,7 +169,7 @@ def test_bitmask_rows_reach_only_the_constrained_rows(engine):
     outs = engine.generate([PROMPTS[1], PROMPTS[6], PROMPTS[2]], [params(1), free, params(2)])
     assert outs[1].token_ids == alone.token_ids
     check_valid([outs[0], outs[2]], min_stopped=1)
-    state = engine.executor.runner.sampler_state
+    state = engine.executor.sampler_state
     assert state.token_bitmask.shape[1] == (VOCAB + 31) // 32 and state.token_bitmask.dtype == torch.int32
 
 

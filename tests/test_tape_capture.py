@@ -37,7 +37,7 @@ def _lora_engine(model_dir, adapters, **kw):
 
 
 def _runner(engine):
-    return engine.executor.runner.graph_runner
+    return engine.executor.graph_runner
 
 
 def _generate(engine, params, names=MIXED):
@@ -191,7 +191,7 @@ def test_failing_capture_of_one_bucket_runs_that_bucket_eagerly(model_dir, adapt
         if output.shape[0] == 4:
             output.sum().item()      # fine eagerly; a capture cannot do it
 
-    captured.executor.runner.model.lm_head.register_forward_hook(host_read_for_bucket_4)
+    captured.executor.model.lm_head.register_forward_hook(host_read_for_bucket_4)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     with caplog.at_level(logging.WARNING, logger="workers.graph_runner"):
         for names in (["A", None, "B"], ["C"], [None, "C", "A"]):

@@ -14,7 +14,7 @@ def test_padded_vocab_shard_matches_peft(model_dir, tmp_path):
     oracle = PeftOracle(path, adapters)
     engine = LLMEngine(EngineConfig(model=str(path), device="cpu", dtype="float32", max_lora_rank=8))
     engine.load_adapter("emb_head", str(adapters["emb_head"]))
-    runner = engine.executor.runner
+    runner = engine.executor
     assert runner.model.lm_head.shard_size == 400 and runner.model.lm_head.weight.shape[0] == 400
     requests = [(PROMPTS[0], "emb_head"), (PROMPTS[1], None), (PROMPTS[2], "emb_head")]
     outs = engine.generate([p for p, _ in requests], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),

@@ -104,23 +104,23 @@ class Ties:
 
 def _record(actor) -> None:
     """On a rank's Ray actor: run each step under an EngineRounding."""
-    recorder = EngineRounding(actor.worker.runner.model)
-    execute = actor.worker.execute
+    recorder = EngineRounding(actor.runner.model)
+    execute = actor.runner.execute
 
     def recorded(plan):
         with recorder:
             return execute(plan)
-    actor.worker.execute, actor.w8a8_rounding = recorded, recorder
+    actor.runner.execute, actor.w8a8_rounding = recorded, recorder
 
 
 @contextlib.contextmanager
 def engine_rounding(engine):
     """Yields a Ties, filled when the block ends with what every rank of `engine` quantized inside it (an
-    in-process worker, or Ray actors reached by __ray_call__: this module travels by value)."""
+    in-process runner, or Ray actors reached by __ray_call__: this module travels by value)."""
     ties = Ties()
     ranks = getattr(engine.executor, "workers", None)
     if ranks is None:
-        with EngineRounding(engine.executor.runner.model) as recorder:
+        with EngineRounding(engine.executor.model) as recorder:
             yield ties
         ties.add(0, recorder.rows)
         return

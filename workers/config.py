@@ -86,7 +86,7 @@ class EngineConfig:
 
     @property
     def runs_in_process(self) -> bool:
-        """The model runs in the engine's own process (one in-process Worker, no rank actors): TP 1 unless
+        """The model runs in the engine's own process (one in-process ModelRunner, no rank actors): TP 1 unless
         Ray is asked for. Then the engine's process holds the device (and may be a process of its own)."""
         return self.tensor_parallel_size == 1 and self.distributed_executor != "ray"
 

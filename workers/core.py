@@ -29,7 +29,7 @@ from workers.quant.description import read_quantization
 from workers.runner import TORCH_DTYPES, RuntimeInfo
 from workers.sequence import Sequence, TokenDelta
 from workers.request import EngineRequest
-from workers.worker import Worker
+from workers.worker import make_runner
 
 
 class EngineCore:
@@ -96,10 +96,11 @@ class EngineCore:
         return self.platform.name != "cpu" and self.config.runs_in_process
 
     def _make_executor(self):
-        """In-process Worker for TP=1, else a WorkerGroup of Ray actors (Ray must be running: see worker_group.py)."""
+        """This process's ModelRunner for TP=1, else a WorkerGroup of Ray actors (Ray must be running: see
+        worker_group.py)."""
         cfg = self.config
         if cfg.runs_in_process:
-            return Worker(cfg, self.runtime, self.platform, self._resident_adapter)
+            return make_runner(cfg, self.runtime, self.platform, self._resident_adapter)
         from workers.worker_group import WorkerGroup  # imports Ray only when actors are asked for
         return WorkerGroup(cfg, self.runtime, self.platform, self._resident_adapter)
 

@@ -6,7 +6,7 @@ parameters, adapter) and gives `TokenDelta`s (token ids, logprobs, finish reason
 core itself, whichever way the core runs:
 - `ThreadCoreClient` (here): the core on a step thread of this process;
 - `ProcessCoreClient` (workers/engine_process.py): the core in a child process (a replica's default), which
-  runs a `ThreadCoreClient` of its own (workers/engine_core.py) and sends its outputs over a socket.
+  runs a `ThreadCoreClient` of its own (workers/engine_process.py's child) and sends its outputs over a socket.
 
 Only the step thread touches the core: callers hand it commands (add, abort, adapter load/unload, stats)
 through a queue and await their result, so the core needs no locks and a step is never interleaved with a

@@ -1,4 +1,4 @@
-"""What a replica asks its engine process (workers/engine_process.py -> workers/engine_core.py): one typed
+"""What a replica asks its engine process (workers/engine_process.py, parent -> child): one typed
 message per request of the callers' side, answered by the child's handler for its type (never a method
 looked up by name). Sent as ("call", id, message), answered by ("reply", id, ok, value); or as
 ("post", message), answered by nothing (`ReleaseRequest`, `Close`)."""

@@ -1,18 +1,16 @@
-"""The engine core in a process of its own, as vLLM's EngineCore: the replica keeps the callers' side.
+"""The engine core in a process of its own, as vLLM's EngineCore; both ends of its socket are here.
 
 In one process the engine's step thread shares the GIL with the replica's event loop, which streams every
 token of every request through Ray Serve (~0.5 ms of Python a token): under load each step waited for it.
-Here the child process runs the engine core and its step loop (a ThreadCoreClient whose outputs go down a
-socket, one message per step); the parent's front (AsyncLLMEngine) tokenizes, keeps the requests' streams and
-decodes their text, and holds a `ProcessCoreClient`, which asks the child for everything by typed messages
-(workers/core_messages.py, `_remote`).
-
-The child is workers/engine_core.py. One socketpair carries pickled tuples. Parent -> child: ("call", id,
-message) answered by ("reply", id, ok, value), and ("post", message) answered by nothing.
-Child -> parent: ("ready", facts), ("out", [TokenDelta]), ("lost", [request id]), ("dead", message),
-("reply", ...). The child exits when the socket closes (the replica died or closed it) and the parent
-fails every stream and call when the child goes (EngineDeadError), so Serve's health check replaces the
-replica.
+The parent's front (AsyncLLMEngine) tokenizes, keeps the requests' streams and decodes their text, and holds
+a `ProcessCoreClient`, which asks the child for everything by typed messages (workers/core_messages.py).
+The child, this module run as `python -m workers.engine_process FD` (`_serve`), builds the EngineCore, steps
+it through a ThreadCoreClient whose sink sends its outputs back (one message per step) and answers the
+messages on an event loop of its own. One socketpair carries pickled tuples. Parent -> child: ("call", id,
+message) answered by ("reply", id, ok, value), and ("post", message) answered by nothing. Child -> parent:
+("ready", facts), ("out", [TokenDelta]), ("lost", [request id]), ("dead", message), ("reply", ...). The
+child exits when the socket closes (the replica died or closed it); the parent fails every stream and call
+when the child goes (EngineDeadError), so Serve's health check replaces the replica.
 
 Only for an engine that runs in the replica's process (TP=1, or distributed_executor inproc): the ranks
 of a Ray executor are actors of their own already, and the child is no Ray worker.
@@ -23,12 +21,14 @@ import asyncio
 import concurrent.futures
 import itertools
 import os
+import pickle
+import signal
 import socket
 import subprocess
 import sys
 import threading
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from workers import core_messages as msg
 from workers.async_engine import AsyncLLMEngine
@@ -36,7 +36,9 @@ from workers.config import EngineConfig
 from workers.core_client import CoreFacts, CoreSink, EngineCoreClient, ThreadCoreClient
 from workers.errors import EngineDeadError
 from workers.grammar import StructuredSpec
+from workers.heap import freeze_startup_heap
 from workers.request import EngineRequest
+from workers.sequence import TokenDelta
 
 START_TIMEOUT_S = 1800.0   # a big model loads for minutes
 CLOSE_TIMEOUT_S = 30.0
@@ -72,7 +74,7 @@ class ProcessCoreClient(EngineCoreClient):
                              "distributed_executor='ray'), not the ranks of a Ray executor")
         ours, theirs = socket.socketpair()
         env = {"GLIBC_TUNABLES": MALLOC_TUNABLES, **os.environ}
-        self._proc = subprocess.Popen([sys.executable, "-m", "workers.engine_core", str(theirs.fileno())],
+        self._proc = subprocess.Popen([sys.executable, "-m", "workers.engine_process", str(theirs.fileno())],
                                       pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, env=env)
         theirs.close()
         self._conn = Connection(ours.detach())
@@ -215,3 +217,102 @@ class ProcessCoreClient(EngineCoreClient):
             self._proc.kill()
             self._proc.wait()
         self._conn.close()
+
+
+# ---- the child: the engine core's side of the socket ---------------------------------------------------------
+class _SocketSink:
+    """The child's outputs, lost requests and death, to the parent: one message each."""
+
+    def __init__(self, send: Callable[[tuple], None]):
+        self._send = send
+
+    def outputs(self, deltas: list[TokenDelta]) -> None:
+        self._send(("out", deltas))
+
+    def lost(self, request_ids: list[str]) -> None:
+        self._send(("lost", request_ids))
+
+    def dead(self, error: EngineDeadError) -> None:
+        try:
+            self._send(("dead", str(error)))
+        except OSError:   # the parent is gone
+            pass
+
+
+def _handlers(core: ThreadCoreClient) -> dict[type, Callable[[Any], Awaitable]]:
+    """Each call's message type -> what the core's client does for it (awaited on the child's loop)."""
+    return {msg.AddRequest: lambda m: core.add(m.request),
+            msg.AbortRequest: lambda m: core.abort(m.request_id),
+            msg.CompileGrammar: lambda m: core.compile_grammar(m.spec),
+            msg.LoadAdapter: lambda m: core.load_adapter(m.name, m.source, m.pinned),
+            msg.UnloadAdapter: lambda m: core.unload_adapter(m.name),
+            msg.ListAdapters: lambda m: core.list_adapters(),
+            msg.PrefetchAdapters: lambda m: core.prefetch_adapters(list(m.names), list(m.replace)),
+            msg.GetStats: lambda m: core.stats(),
+            msg.CheckHealth: lambda m: core.check_health()}
+
+
+def _serve(conn: Connection) -> None:
+    lock = threading.Lock()
+
+    def send(message: tuple) -> None:
+        with lock:
+            conn.send(message)
+
+    def send_safely(*message) -> None:
+        """`message`, or, when its last part does not pickle (an exotic error), that part as a RuntimeError."""
+        try:
+            send(message)
+        except (pickle.PicklingError, TypeError, AttributeError, ValueError) as exc:
+            send((*message[:-1], RuntimeError(f"{message[-1]!r} ({exc})")))
+
+    kind, config, adapters = conn.recv()
+    assert kind == "start", kind
+    try:
+        engine = build_engine(config, adapters)
+    except Exception as exc:  # noqa: BLE001  (the parent raises it)
+        send_safely("failed", exc)
+        return
+    freeze_startup_heap()   # no full collection's pause over the model's objects while serving
+    core = ThreadCoreClient(engine)
+    send(("ready", CoreFacts.of(engine)))
+    core.connect(_SocketSink(send))
+    loop = asyncio.new_event_loop()
+    tasks: set[asyncio.Task] = set()
+
+    handlers = _handlers(core)
+
+    async def call(call_id: int, message) -> None:
+        try:
+            send_safely("reply", call_id, True, await handlers[type(message)](message))
+        except Exception as exc:  # noqa: BLE001  (the caller's error, raised in the parent)
+            send_safely("reply", call_id, False, exc)
+
+    def handle(envelope: tuple) -> None:
+        if envelope[0] == "call":
+            task = loop.create_task(call(*envelope[1:]))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        elif isinstance(envelope[1], msg.Close):
+            loop.stop()
+        else:   # a posted ReleaseRequest
+            core.release(envelope[1].request_id)
+
+    def read() -> None:   # off the loop: a message is read whole while the loop runs calls
+        try:
+            while True:
+                loop.call_soon_threadsafe(handle, conn.recv())
+        except (EOFError, OSError):   # the parent is gone or closed the socket
+            loop.call_soon_threadsafe(loop.stop)
+
+    threading.Thread(target=read, name="engine-process-reader", daemon=True).start()
+    try:
+        loop.run_forever()
+    finally:
+        core.close()
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # a terminal's Ctrl-C is the parent's to handle
+    _serve(Connection(int(sys.argv[1])))
+    os._exit(0)   # the engine's threads (tokenizer, adapter loads) must not hold the exit

@@ -1,4 +1,4 @@
-"""RayWorker: one tensor-parallel rank in its own Ray actor process, running a `Worker`.
+"""RayWorker: one tensor-parallel rank in its own Ray actor process, running a ModelRunner (worker.py).
 
 The rank's steps arrive through `run`, a loop over the engine's shared-memory queue
 (shm_broadcast.py), or as one `execute` call each when the engine drives its ranks through Ray
@@ -25,7 +25,7 @@ DIST_TIMEOUT_S = 300.0       # bounds a collective whose peer vanished without R
 
 @ray.remote(concurrency_groups={"health": 1, "adapters": 1, "loop": 1})  # each answers while `run` loops
 class RayWorker:
-    """One rank in its own process: device from Ray's assignment, then torch.distributed, then the Worker.
+    """One rank in its own process: device from Ray's assignment, then torch.distributed, then the ModelRunner.
 
     `start` and `execute` share the default concurrency group, one thread, so the (per-thread)
     current device set in `start` still holds in every `execute`; `run`, the steps' loop, has a
@@ -35,7 +35,7 @@ class RayWorker:
     def __init__(self, config: EngineConfig, runtime: RuntimeInfo, platform: Platform, rank: int, world_size: int):
         self.config, self.runtime, self.platform = config, runtime, platform
         self.rank, self.world_size = rank, world_size
-        self.worker = None
+        self.runner = None
         self._store_listener = None
         self._adapters: dict[tuple[str, int], object] = {}   # this step's shipped adapters by (name, load id)
         self._incoming: tuple = ()    # the next step's adapters, received through `receive_adapters`
@@ -66,7 +66,7 @@ class RayWorker:
 
         from workers.device import get_platform
         from workers.parallel import TPGroup
-        from workers.worker import Worker
+        from workers.worker import make_runner
 
         platform = get_platform(self.platform.name)   # imports torch_npu here, on the device's process
         device_index = self.placement()["device_index"]
@@ -83,7 +83,7 @@ class RayWorker:
                 shm = ShmCommunicator(collectives, self.rank, self.world_size)
             tp = TPGroup(self.rank, self.world_size, dist.group.WORLD, gather_small=platform.dist_backend == "gloo",
                          shm=shm)
-        self.worker = Worker(self.config, self.runtime, platform, self._shipped_adapter, tp, device_index)
+        self.runner = make_runner(self.config, self.runtime, platform, self._shipped_adapter, tp, device_index)
         self._device = (platform, device_index)
 
     def _shipped_adapter(self, ref: AdapterRef):
@@ -107,14 +107,14 @@ class RayWorker:
         """`adapters`: the plan's slot loads' adapters, in order (Ray resolves them from the object store)."""
         self._adapters = {ref: adapter for (_, ref), adapter in zip(plan.lora_loads, adapters)}
         try:
-            out = self.worker.execute(plan)
+            out = self.runner.execute(plan)
         finally:
             self._adapters = {}   # installed in the slots now: no second host copy kept
         # the other ranks sampled the same tokens: only what they could not install comes back
         return out if self.rank == 0 else out.failed_adapters
 
     def resident_bytes(self) -> dict:
-        return self.worker.resident_bytes()
+        return self.runner.resident_bytes()
 
     @ray.method(concurrency_group="adapters")
     def receive_adapters(self, *adapters) -> None:

@@ -157,6 +157,18 @@ class ModelRunner:
                                         lora_groups=frozenset(self.slot_pool.groups) if self.slot_pool else None,
                                         tp_size=self.tp.size)
 
+    def is_healthy(self) -> bool:   # the executor's interface (WorkerGroup's): in this process, alive if asked
+        return True
+
+    def close(self) -> None:
+        pass
+
+    def resident_bytes(self) -> dict:
+        """What this rank holds: bytes per model parameter (tied ones once), LoRA slot buffers, KV cache."""
+        return {"params": {name: p.nbytes for name, p in self.model.named_parameters()},
+                "lora_slots": self.slot_pool.nbytes() if self.slot_pool is not None else 0,
+                "kv_cache": self.kv_cache.k.nbytes + self.kv_cache.v.nbytes}
+
     def _init_lora(self) -> SlotPool:
         cfg = self.runtime.hf_config
         wanted = {MODULE_GROUPS[module][0] for module in self.config.lora_target_modules}

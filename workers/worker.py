@@ -1,7 +1,7 @@
-"""Worker: one device's share of the model; executes StepPlans.
+"""One device's share of the model, set up: `make_runner` builds the ModelRunner that executes StepPlans on it.
 
-In-process when tensor_parallel_size == 1 (the engine calls it directly); the
-same class runs as a Ray actor per device rank otherwise (worker_group.py).
+In the engine's process when tensor_parallel_size == 1 (the engine core steps the runner directly); in a
+RayWorker per device rank otherwise (rank_actor.py, worker_group.py).
 """
 from __future__ import annotations
 
@@ -16,40 +16,22 @@ from lora.transfer import allow_pinning
 from workers.config import EngineConfig
 from workers.device import Platform
 from workers.parallel import TPGroup
-from workers.plan import StepOutput, StepPlan
 from workers.runner import ModelRunner, RuntimeInfo
 
 CPU_THREADS_ENV = "LORASERVE_CPU_THREADS"   # the default cpu_threads of this process's engines (docs/cpu.md)
 
 
-class Worker:
-    def __init__(self, config: EngineConfig, runtime: RuntimeInfo, platform: Platform,
-                 get_adapter: Callable[[AdapterRef], LoRAAdapter], tp: TPGroup = TPGroup(), device_index: int = 0):
-        platform.set_device(device_index)
-        allow_pinning(platform.name != "cpu")   # this process holds the device it copies to (lora/transfer.py)
-        if platform.name == "cpu":
-            torch.set_num_threads(config.cpu_threads or default_cpu_threads(config.tensor_parallel_size,
-                                                                            config.cpu_reserved_cores))
-        self.runner = ModelRunner(config, runtime, platform, tp, platform.torch_device(device_index), get_adapter)
-
-    def execute(self, plan: StepPlan) -> StepOutput:
-        return self.runner.execute(plan)
-
-    def is_alive(self) -> bool:
-        return True
-
-    def is_healthy(self) -> bool:
-        return True
-
-    def close(self) -> None:
-        pass
-
-    def resident_bytes(self) -> dict:
-        """What this rank holds: bytes per model parameter (tied ones once), LoRA slot buffers, KV cache."""
-        runner = self.runner
-        return {"params": {name: p.nbytes for name, p in runner.model.named_parameters()},
-                "lora_slots": runner.slot_pool.nbytes() if runner.slot_pool is not None else 0,
-                "kv_cache": runner.kv_cache.k.nbytes + runner.kv_cache.v.nbytes}
+def make_runner(config: EngineConfig, runtime: RuntimeInfo, platform: Platform,
+                get_adapter: Callable[[AdapterRef], LoRAAdapter], tp: TPGroup = TPGroup(),
+                device_index: int = 0) -> ModelRunner:
+    """The ModelRunner of this process's device: the device set, host pinning allowed where it has one, the CPU's
+    threads; the engine core steps it directly (TP 1), a RayWorker per rank otherwise."""
+    platform.set_device(device_index)
+    allow_pinning(platform.name != "cpu")   # this process holds the device it copies to (lora/transfer.py)
+    if platform.name == "cpu":
+        torch.set_num_threads(config.cpu_threads or default_cpu_threads(config.tensor_parallel_size,
+                                                                        config.cpu_reserved_cores))
+    return ModelRunner(config, runtime, platform, tp, platform.torch_device(device_index), get_adapter)
 
 
 def default_cpu_threads(ranks: int, reserved: int = 0) -> int:

@@ -1,5 +1,5 @@
 """LoRA backends, one object per model runner chosen once by name (as SGLang's `get_backend_from_name`):
-torch_native (lora/backends/torch_native.py), cpu (the C kernels, cpu.py), ascend (sgl_kernel_npu,
+torch_native (lora/backends/torch_native.py), cpu (the C kernel, cpu_sgmv.py), ascend (sgl_kernel_npu,
 ascend.py); the interface is base.py's, the maths they are tested against lora/ops.py's."""
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ def get_backend(name: str | None, device: torch.device | str, dtype: torch.dtype
     """The backend `name` (None: the device's default) for a runner; RuntimeError / ValueError at start-up
     when an asked-for backend cannot run here. A default whose kernels are absent becomes torch_native,
     said once (never a crash loop for a missing optional package)."""
-    from lora.backends.cpu import CpuBackend
     from lora.backends.torch_native import TorchNativeBackend
     device = torch.device(device)
     chosen = name or DEFAULTS.get(device.type, "torch_native")
@@ -31,7 +30,7 @@ def get_backend(name: str | None, device: torch.device | str, dtype: torch.dtype
         raise ValueError(f"lora_backend {chosen!r} runs on {want} only, not on {device.type}; use torch_native")
     if chosen == "cpu":
         if cpu_sgmv.available():
-            return CpuBackend(device, dtype, max_rank)
+            return cpu_sgmv.CpuBackend(device, dtype, max_rank)
         reason = "the CPU LoRA kernel is unavailable (see lora/native.py's warning)"
     else:
         reason = ascend_probe.unavailable_reason(device, dtype)
