@@ -6,7 +6,8 @@ ones `partial(x)` and `reduce(y)`, so the delta joins the partial sum before
 the layer's single all-reduce; the LM head exposes `partial` and `gather`.
 Buffers come from the SlotPool and never move, so captured graphs stay valid.
 Which module gets which wrapper is lora/modules.py's table; each layer's op is its
-backend's (lora/backends/), bound once here.
+backend's (lora/backends/), bound once here. `lora_shard` cuts an adapter's weights for
+this rank the way these layers cut the base's.
 """
 from __future__ import annotations
 
@@ -102,3 +103,61 @@ def wrap_model(model: nn.Module, buffers: dict, backend: LoRABackend) -> None:
             op = (backend.bind_embedding(name, a, b[0]) if group.parallel == "embedding"
                   else backend.bind(name, a, b, _offsets(base, group.parallel, b)))
             setattr(parent, attr, kinds[group.parallel](base, a, b, op, group.name))
+
+
+def lora_shard(model):
+    """SlotPool's `shard(module, weights)` for this rank, cut like the base layers (DESIGN: LoRA under TP).
+
+    Column-parallel (q/k/v, gate/up, lm_head): A replicated, B's output rows of this
+    rank (k/v by the same kv-head ranges as the base, so replicated kv heads get the
+    same B rows). Row-parallel (o, down): A's input columns of this rank, B replicated.
+    embed_tokens: both replicated, the delta is added after the embedding's all-reduce.
+    The LM head's shard has padding rows (past the vocabulary, or up to a multiple of 16),
+    zero like the base's, so even one rank needs this. Which module is cut how is
+    lora/modules.py's table; every layer that has a module has the first one's shapes.
+    MoE experts are cut the same way on their last two dims (a [E, r, in], b [E, out, r]).
+    """
+    lm_head = model.lm_head
+    column, row = {}, {}
+    for group in PACKED_MODULES:
+        layers = layers_with(model, group.path)
+        if not layers:
+            continue
+        first = model.layers[layers[0]].get_submodule(group.path)
+        if group.parallel in ("column", "expert_column"):
+            column.update({m: (first, s) for s, m in enumerate(group.modules)})
+        elif group.parallel in ("row", "expert_row"):
+            row.update({m: first for m in group.modules})
+
+    def shard(module: str, weights) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = weights.lora_a, weights.lora_b
+        if module in column:
+            layer, index = column[module]
+            start, size = layer.shard_range(index)
+            return a, b[..., start:start + size, :]
+        if module in row:
+            n = row[module].in_features
+            start = row[module].tp.rank * n
+            return a[..., start:start + n], b
+        if module == "lm_head":
+            local = b.new_zeros(lm_head.shard_size, b.shape[1])
+            rows = b[lm_head.vocab_start:lm_head.vocab_start + lm_head.shard_size]
+            local[:rows.shape[0]] = rows
+            return a, local
+        return a, b
+
+    return shard
+
+
+def layers_with(model, path: str | None) -> list[int]:
+    """The decoder layers that have the module at `path` (MoE: experts in sparse layers, MLPs in dense ones)."""
+    if path is None:
+        return []
+    found = []
+    for i, layer in enumerate(model.layers):
+        try:
+            layer.get_submodule(path)
+        except AttributeError:
+            continue
+        found.append(i)
+    return found

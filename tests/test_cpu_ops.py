@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from workers import cpu_ops, tape_graph
 from workers.kv_cache import write_kv
 from workers.models.llama import RMSNorm
-from workers.models.rope import RotaryEmbedding
+from workers.models.llama import RotaryEmbedding
 
 DTYPES = [torch.float32, torch.bfloat16]
 

@@ -21,7 +21,7 @@ from moe_factories import make_expert_adapter, make_moe_model, moe_config, write
 from workers import EngineConfig, LLMEngine
 from workers.models.qwen3_moe import Qwen3MoeForCausalLM
 from workers.parallel import TPGroup
-from workers.runner import lora_shard
+from lora.layers import lora_shard
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from lora.adapter import LoRAWeights, model_spec_from_hf_config
 from workers import EngineConfig, LLMEngine, SamplingParams
 from workers.models.llama import LlamaForCausalLM
 from workers.parallel import TPGroup
-from workers.runner import lora_shard
+from lora.layers import lora_shard
 from workers.worker_group import WorkerGroupError
 
 ALL7 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

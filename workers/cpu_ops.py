@@ -6,7 +6,7 @@ Each is also the torch op loraserve::<name> (with a fake), so a captured decode 
 mode active, not tracing) calls the kernel directly: the custom op's Python dispatch costs about as much as
 the kernel itself at decode sizes. Every function returns None where the kernel does not apply (another
 device, e.g. the fake NPU; a dtype it has no code for; no C compiler; LORASERVE_CPU_OPS=0): the caller then
-runs its torch reference (workers/models/llama.py, rope.py, kv_cache.py).
+runs its torch reference (workers/models/llama.py, kv_cache.py).
 """
 from __future__ import annotations
 

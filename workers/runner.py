@@ -18,7 +18,7 @@ from lora.adapter import LoRAAdapter
 from lora.backends import get_backend
 from lora.expert_layers import wrap_experts
 from lora.expert_memory import check_expert_slots, free_memory
-from lora.layers import wrap_model
+from lora.layers import layers_with, lora_shard, wrap_model
 from lora.modules import EXPERT_GROUPS, MODULE_GROUPS, PACKED_MODULES
 from lora.native import huge_page_copy
 from lora.ref import AdapterRef
@@ -29,7 +29,6 @@ from workers.device import Platform
 from workers.forward_batch import ForwardBatch, PrefillChunk
 from workers.graph_runner import GraphRunner
 from workers.kv_cache import KVCache, attend_as_rows, blocks_needed, row_tables
-from workers.models.llama import LlamaForCausalLM
 from workers.models.loader import load_weights
 from workers.models.moe_kernels import moe_kernel
 from workers.models.registry import model_class
@@ -53,64 +52,6 @@ class RuntimeInfo:
     max_model_len: int
     num_kv_blocks: int
     quantization: W8A8Spec | None = None   # the checkpoint's W8A8 linears (workers/quant/description.py)
-
-
-def lora_shard(model: LlamaForCausalLM):
-    """SlotPool's `shard(module, weights)` for this rank, cut like the base layers (DESIGN: LoRA under TP).
-
-    Column-parallel (q/k/v, gate/up, lm_head): A replicated, B's output rows of this
-    rank (k/v by the same kv-head ranges as the base, so replicated kv heads get the
-    same B rows). Row-parallel (o, down): A's input columns of this rank, B replicated.
-    embed_tokens: both replicated, the delta is added after the embedding's all-reduce.
-    The LM head's shard has padding rows (past the vocabulary, or up to a multiple of 16),
-    zero like the base's, so even one rank needs this. Which module is cut how is
-    lora/modules.py's table; every layer that has a module has the first one's shapes.
-    MoE experts are cut the same way on their last two dims (a [E, r, in], b [E, out, r]).
-    """
-    lm_head = model.lm_head
-    column, row = {}, {}
-    for group in PACKED_MODULES:
-        layers = layers_with(model, group.path)
-        if not layers:
-            continue
-        first = model.layers[layers[0]].get_submodule(group.path)
-        if group.parallel in ("column", "expert_column"):
-            column.update({m: (first, s) for s, m in enumerate(group.modules)})
-        elif group.parallel in ("row", "expert_row"):
-            row.update({m: first for m in group.modules})
-
-    def shard(module: str, weights) -> tuple[torch.Tensor, torch.Tensor]:
-        a, b = weights.lora_a, weights.lora_b
-        if module in column:
-            layer, index = column[module]
-            start, size = layer.shard_range(index)
-            return a, b[..., start:start + size, :]
-        if module in row:
-            n = row[module].in_features
-            start = row[module].tp.rank * n
-            return a[..., start:start + n], b
-        if module == "lm_head":
-            local = b.new_zeros(lm_head.shard_size, b.shape[1])
-            rows = b[lm_head.vocab_start:lm_head.vocab_start + lm_head.shard_size]
-            local[:rows.shape[0]] = rows
-            return a, local
-        return a, b
-
-    return shard
-
-
-def layers_with(model, path: str | None) -> list[int]:
-    """The decoder layers that have the module at `path` (MoE: experts in sparse layers, MLPs in dense ones)."""
-    if path is None:
-        return []
-    found = []
-    for i, layer in enumerate(model.layers):
-        try:
-            layer.get_submodule(path)
-        except AttributeError:
-            continue
-        found.append(i)
-    return found
 
 
 class ModelRunner:

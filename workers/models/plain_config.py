@@ -7,7 +7,7 @@ rotary frequencies computed on its side: llama3 and yarn scaling take transforme
 """
 from __future__ import annotations
 
-from workers.models.rope import inverse_frequencies
+from workers.models.llama import inverse_frequencies
 
 
 class PlainConfig:
