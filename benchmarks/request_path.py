@@ -36,7 +36,7 @@ ROLES = (("deployments/openai_api.py", "ingress"), ("deployments/llm_server.py",
 # back" (issue 40). The route; the body parsed and validated into the sampling parameters; the router; the replica;
 # the prompt tokenized; the engine request built and checked once; the engine core; its scheduler; the LoRA kernel
 # (prefill); the sampler; the captured decode step; the detokenizer; the SSE renderer; the route again. The path
-# joins each stage to the next by the shortest chain of calls measured between them.
+# joins each stage to the next by a chain of calls measured between them (`_path`).
 STAGES = (("ingress", "deployments/openai_api.py"), ("ingress", "deployments/protocol.py"),
           ("ingress", "deployments/routing/router.py"), ("replica", "deployments/llm_server.py"),
           ("replica", "workers/tokenizer.py"), ("replica", "workers/request.py"),
