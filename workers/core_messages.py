@@ -1,13 +1,17 @@
 """What a replica asks its engine process (workers/engine_process.py, parent -> child): one typed
-message per request of the callers' side, answered by the child's handler for its type (never a method
-looked up by name). Sent as ("call", id, message), answered by ("reply", id, ok, value); or as
+message per request of the callers' side, answered by the child's handler for its type (`handlers`, never
+a method looked up by name). Sent as ("call", id, message), answered by ("reply", id, ok, value); or as
 ("post", message), answered by nothing (`ReleaseRequest`, `Close`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from workers.grammar import StructuredSpec
 from workers.request import EngineRequest
+
+if TYPE_CHECKING:
+    from workers.core_client import ThreadCoreClient
 
 
 @dataclass(frozen=True)
@@ -69,3 +73,16 @@ class CheckHealth:
 @dataclass(frozen=True)
 class Close:
     """The child stops its step loop and exits (posted)."""
+
+
+def handlers(core: ThreadCoreClient) -> dict[type, Callable[[Any], Awaitable]]:
+    """Each call's message type -> what the child's core client does for it (awaited on the child's loop)."""
+    return {AddRequest: lambda m: core.add(m.request),
+            AbortRequest: lambda m: core.abort(m.request_id),
+            CompileGrammar: lambda m: core.compile_grammar(m.spec),
+            LoadAdapter: lambda m: core.load_adapter(m.name, m.source, m.pinned),
+            UnloadAdapter: lambda m: core.unload_adapter(m.name),
+            ListAdapters: lambda m: core.list_adapters(),
+            PrefetchAdapters: lambda m: core.prefetch_adapters(list(m.names), list(m.replace)),
+            GetStats: lambda m: core.stats(),
+            CheckHealth: lambda m: core.check_health()}

@@ -3,17 +3,13 @@
 In one process the engine's step thread shares the GIL with the replica's event loop, which streams every
 token of every request through Ray Serve (~0.5 ms of Python a token): under load each step waited for it.
 The parent's front (AsyncLLMEngine) tokenizes, keeps the requests' streams and decodes their text, and holds
-a `ProcessCoreClient`, which asks the child for everything by typed messages (workers/core_messages.py).
-The child, this module run as `python -m workers.engine_process FD` (`_serve`), builds the EngineCore, steps
-it through a ThreadCoreClient whose sink sends its outputs back (one message per step) and answers the
-messages on an event loop of its own. One socketpair carries pickled tuples. Parent -> child: ("call", id,
-message) answered by ("reply", id, ok, value), and ("post", message) answered by nothing. Child -> parent:
-("ready", facts), ("out", [TokenDelta]), ("lost", [request id]), ("dead", message), ("reply", ...). The
-child exits when the socket closes (the replica died or closed it); the parent fails every stream and call
-when the child goes (EngineDeadError), so Serve's health check replaces the replica.
-
-Only for an engine that runs in the replica's process (TP=1, or distributed_executor inproc): the ranks
-of a Ray executor are actors of their own already, and the child is no Ray worker.
+a `ProcessCoreClient`, which asks the child for everything by typed messages (workers/core_messages.py: the
+calls, posts and replies). The child, this module run as `python -m workers.engine_process FD` (`_serve`),
+builds the EngineCore, steps it through a ThreadCoreClient whose sink sends ("out", [TokenDelta]) a step,
+("lost", [request id]) and ("dead", message) back, and answers calls on an event loop of its own. It exits when
+the socket closes; the parent fails every stream and call when the child goes (EngineDeadError), so Serve's
+health check replaces the replica. Only for an engine in the replica's process (TP=1, or distributed_executor
+inproc): the ranks of a Ray executor are actors of their own already, and the child is no Ray worker.
 """
 from __future__ import annotations
 
@@ -28,7 +24,7 @@ import subprocess
 import sys
 import threading
 from multiprocessing.connection import Connection
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable
 
 from workers import core_messages as msg
 from workers.async_engine import AsyncLLMEngine
@@ -239,19 +235,6 @@ class _SocketSink:
             pass
 
 
-def _handlers(core: ThreadCoreClient) -> dict[type, Callable[[Any], Awaitable]]:
-    """Each call's message type -> what the core's client does for it (awaited on the child's loop)."""
-    return {msg.AddRequest: lambda m: core.add(m.request),
-            msg.AbortRequest: lambda m: core.abort(m.request_id),
-            msg.CompileGrammar: lambda m: core.compile_grammar(m.spec),
-            msg.LoadAdapter: lambda m: core.load_adapter(m.name, m.source, m.pinned),
-            msg.UnloadAdapter: lambda m: core.unload_adapter(m.name),
-            msg.ListAdapters: lambda m: core.list_adapters(),
-            msg.PrefetchAdapters: lambda m: core.prefetch_adapters(list(m.names), list(m.replace)),
-            msg.GetStats: lambda m: core.stats(),
-            msg.CheckHealth: lambda m: core.check_health()}
-
-
 def _serve(conn: Connection) -> None:
     lock = threading.Lock()
 
@@ -279,8 +262,7 @@ def _serve(conn: Connection) -> None:
     core.connect(_SocketSink(send))
     loop = asyncio.new_event_loop()
     tasks: set[asyncio.Task] = set()
-
-    handlers = _handlers(core)
+    handlers = msg.handlers(core)
 
     async def call(call_id: int, message) -> None:
         try:
