@@ -29,7 +29,10 @@ if _out:
         except KeyError:
             name = code.co_filename
             if name.startswith(_root) and "/.venv/" not in name:
-                label = f"{name[len(_root):]}:{code.co_qualname}"
+                qualname = code.co_qualname
+                if qualname.endswith("<lambda>"):   # lambdas of one function share a name: told apart by line
+                    qualname += f"@{code.co_firstlineno}"
+                label = f"{name[len(_root):]}:{qualname}"
                 _seen.add(label)
             else:
                 label = next((carrier for part, carrier in _CARRIERS if part in name), None)
